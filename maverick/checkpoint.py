@@ -1,0 +1,189 @@
+"""HF checkpoints in and out: sharded safetensors + `model.safetensors.index.json` + `config.json`.
+
+Loading builds the model on the meta device, memory-maps the tensors and assigns them: every key must be
+used and every shape must match, or the error names the key. Keys of Llama4ForCausalLM are ours as they
+are; Llama4ForConditionalGeneration nests them under `language_model.` and adds vision keys, which are
+skipped and counted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from maverick.config import Llama4Config
+from maverick.model import Llama4, rope_inv_freq
+
+log = logging.getLogger(__name__)
+
+VISION_PREFIXES = ("vision_model.", "multi_modal_projector.", "model.vision_model.", "model.multi_modal_projector.")
+TEXT_PREFIXES = ("language_model.", "model.language_model.")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        files = sorted({path / f for f in weight_map.values()})
+    elif (path / "model.safetensors").exists():
+        files = [path / "model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    for f in files:
+        if not f.exists():
+            raise FileNotFoundError(f"{f} is listed in the index but missing")
+    return files
+
+
+def _text_key(key: str) -> str | None:
+    """Map a checkpoint key to ours; None for keys to skip (vision tower)."""
+    if key.startswith(VISION_PREFIXES):
+        return None
+    for p in TEXT_PREFIXES:
+        if key.startswith(p):
+            key = key[len(p) :]
+            # Llama4ForConditionalGeneration in HF v5 saves `model.language_model.layers...` for the text
+            # model and `lm_head` at the top level; older files use `language_model.model.layers...`.
+            return key if key.startswith(("model.", "lm_head.")) else "model." + key
+    return key
+
+
+def read_state_dict(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], int]:
+    """All text tensors of a checkpoint directory (memory-mapped), and the number of skipped vision keys."""
+    path = Path(path)
+    out: dict[str, torch.Tensor] = {}
+    skipped = 0
+    for f in _safetensors_files(path):
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for key in sf.keys():
+                    ours = _text_key(key)
+                    if ours is None:
+                        skipped += 1
+                        continue
+                    if ours in out:
+                        raise CheckpointError(f"{f}: key {key!r} maps to {ours!r}, which another key already gave")
+                    out[ours] = sf.get_tensor(key)
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise CheckpointError(f"{f}: cannot read safetensors file ({e})") from e
+    if skipped:
+        log.info("skipped %d vision keys in %s", skipped, path)
+    return out, skipped
+
+
+def build_model(
+    cfg: Llama4Config,
+    state_dict: dict[str, torch.Tensor],
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    source: str = "checkpoint",
+) -> Llama4:
+    """Build on meta, check every key and shape, assign. `source` names the file in errors."""
+    with torch.device("meta"):
+        model = Llama4(cfg)
+    expected = dict(model.state_dict())
+    tied = cfg.tie_word_embeddings
+    if tied:
+        expected.pop("lm_head.weight", None)
+        state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
+    missing = sorted(set(expected) - set(state_dict))
+    extra = sorted(set(state_dict) - set(expected))
+    if missing:
+        raise CheckpointError(f"{source}: missing key(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if extra:
+        raise CheckpointError(f"{source}: unexpected key(s) {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+    for k, meta in expected.items():
+        if tuple(state_dict[k].shape) != tuple(meta.shape):
+            raise CheckpointError(
+                f"{source}: key {k!r} has shape {tuple(state_dict[k].shape)}, expected {tuple(meta.shape)}"
+            )
+    tensors = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
+    model.load_state_dict(tensors, strict=True, assign=True)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(cfg).to(device)
+    return model.eval()
+
+
+def load_hf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Llama4:
+    """Load an HF Llama4ForCausalLM / Llama4ForConditionalGeneration directory."""
+    path = Path(path)
+    cfg = Llama4Config.from_json(path)
+    sd, _ = read_state_dict(path)
+    return build_model(cfg, sd, dtype, device, source=str(path))
+
+
+def save_hf(model: Llama4, path: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3) -> None:
+    """Write sharded safetensors + index + config.json into `path`, atomically (temp dir, then rename)."""
+    path = Path(path)
+    cfg = model.config
+    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k in sorted(sd):
+        nbytes = sd[k].numel() * sd[k].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = sd[k]
+        size += nbytes
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp", dir=path.parent))
+    try:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        weight_map = {}
+        for name, shard in zip(names, shards):
+            save_file(shard, str(tmp / name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, name))
+        total = sum(v.numel() * v.element_size() for v in sd.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        cfg.save_json(tmp / "config.json")
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def count_parameters(cfg: Llama4Config) -> tuple[int, int]:
+    """(total, active per token) parameters, counted on the meta device. Active counts the shared
+    expert plus top-k routed experts per MoE layer, embeddings and lm_head."""
+    with torch.device("meta"):
+        model = Llama4(cfg)
+    total = 0
+    inactive = 0
+    for name, p in _unique_params(model.named_parameters(remove_duplicate=True)):
+        total += p.numel()
+        if ".experts." in name:
+            inactive += p.numel() * (cfg.num_local_experts - cfg.num_experts_per_tok) // cfg.num_local_experts
+    return total, total - inactive
+
+
+def _unique_params(named: Iterable[tuple[str, torch.nn.Parameter]]):
+    seen = set()
+    for name, p in named:
+        if id(p) not in seen:
+            seen.add(id(p))
+            yield name, p

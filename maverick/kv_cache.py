@@ -1,0 +1,131 @@
+"""A preallocated, fixed-shape KV cache indexed by explicit slots, with the moves speculative decoding needs.
+
+Layout: k/v [layers, B, Hkv, S, D]. Row b holds `lengths[b]` committed tokens in slots 0..lengths[b]-1,
+and slot == position for committed tokens. A forward of T new tokens writes them at slots
+lengths[b] .. lengths[b]+T-1 (their RoPE positions may differ: tree nodes sit at start + depth) and
+then `advance(T)` moves the committed length. Speculative decoding then keeps what the target accepted:
+- chain: `truncate(start + n_accepted)`; stale slots past the length are never read, because attention
+  only sees slots < lengths[b] plus the tokens of the current call (see `attention_mask`).
+- tree: `compact(start, keep_idx, n_keep)` moves the accepted nodes' K/V to slots start.. start+n-1.
+
+Nothing here syncs with the host: lengths is a tensor. `bound` is a Python-side upper bound of
+max(lengths) that the attention uses to slice the cache to the part in use (on CPU that saves reading
+the whole preallocated cache every step); it only grows, except through `reset` or an explicit hint.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class KVCache(nn.Module):
+    def __init__(
+        self,
+        n_layers: int,
+        batch_size: int,
+        max_len: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        shape = (n_layers, batch_size, n_kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("lengths", torch.zeros(batch_size, dtype=torch.long, device=device), persistent=False)
+        self.max_len = max_len
+        self.bound = 0
+        self.slice_to_bound = True  # turn off under torch.compile to keep shapes fixed
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    def reset(self) -> None:
+        self.lengths.zero_()
+        self.bound = 0
+
+    def kv_len(self, n_new: int) -> int:
+        """How many slots the attention of a call with n_new tokens must look at."""
+        if not self.slice_to_bound:
+            return self.max_len
+        need = self.bound + n_new
+        if need > self.max_len:
+            raise RuntimeError(f"KV cache overflow: {need} slots needed, cache holds {self.max_len}")
+        return min(self.max_len, -(-need // 64) * 64)  # round up so shapes repeat
+
+    def write(self, layer: int, k_new: Tensor, v_new: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
+        """Write k/v [B, Hkv, T, D] at slots lengths + arange(T); return this layer's [B, Hkv, kv_len, D]."""
+        B, _, T, _ = k_new.shape
+        slots = self.lengths[:, None] + torch.arange(T, device=k_new.device)  # [B, T]
+        rows = torch.arange(B, device=k_new.device)[:, None]
+        # advanced indices (rows, slots) around a slice put their dims first: target is [B, T, Hkv, D]
+        self.k[layer][rows, :, slots] = k_new.transpose(1, 2).to(self.k.dtype)
+        self.v[layer][rows, :, slots] = v_new.transpose(1, 2).to(self.v.dtype)
+        return self.k[layer, :, :, :kv_len], self.v[layer, :, :, :kv_len]
+
+    def advance(self, n: int) -> None:
+        self.lengths += n
+        self.bound += n
+
+    def truncate(self, lengths: Tensor | int) -> None:
+        """Roll back (or forward, within what was written) to the given committed lengths."""
+        if isinstance(lengths, int):
+            self.lengths.fill_(lengths)
+        else:
+            self.lengths.copy_(lengths)
+
+    def compact(self, start: Tensor, keep_idx: Tensor, n_keep: Tensor) -> None:
+        """Keep accepted tree nodes: slot start+keep_idx[b, j] -> start+j for j < n_keep[b].
+
+        keep_idx [B, A] holds node offsets relative to `start` (nodes were written at start + node);
+        entries at j >= n_keep[b] are ignored (they are copied onto slots past the new length).
+        """
+        B, A = keep_idx.shape
+        rows = torch.arange(B, device=keep_idx.device)[:, None]
+        src = start[:, None] + keep_idx  # [B, A]
+        dst = start[:, None] + torch.arange(A, device=keep_idx.device)
+        dst = torch.where(torch.arange(A, device=keep_idx.device) < n_keep[:, None], dst, src)
+        for buf in (self.k, self.v):
+            picked = buf[:, rows, :, src].clone()  # [B, A, layers, Hkv, D] (advanced dims first)
+            buf[:, rows, :, dst] = picked
+        self.lengths.copy_(start + n_keep)
+
+
+def attention_mask(
+    positions: Tensor,
+    start: Tensor | None,
+    kv_len: int,
+    chunk: int | None,
+    new_mask: Tensor | None = None,
+) -> Tensor:
+    """Boolean mask [B, 1, T, kv_len]: True where query t of row b may attend to key slot s.
+
+    positions [B, T]: RoPE positions of the new tokens; start [B]: slot of the first new token (None:
+    no cache, keys are just the new tokens, kv_len == T); new_mask [B or 1, T, T]: which new tokens see
+    which (default causal; a tree passes ancestor-or-self). Committed slots s < start hold position s
+    and are all visible (they precede every new token); on chunked layers a key at position k is seen
+    from position p only if k // chunk == p // chunk (absolute positions, in prefill and decode alike).
+    """
+    B, T = positions.shape
+    dev = positions.device
+    if new_mask is None:
+        new_mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None]
+    new_mask = new_mask.expand(B, T, T)
+    if start is None:
+        visible = new_mask
+        key_pos = positions
+    else:
+        slot = torch.arange(kv_len, device=dev)
+        rel = slot[None, :] - start[:, None]  # [B, S] offset into the new tokens
+        is_prefix = rel < 0
+        is_new = (rel >= 0) & (rel < T)
+        rel_c = rel.clamp(0, T - 1)
+        key_pos = torch.where(is_prefix, slot[None, :].expand(B, -1), positions.gather(1, rel_c))
+        new_vis = new_mask.gather(2, rel_c[:, None, :].expand(B, T, kv_len))
+        visible = is_prefix[:, None, :] | (is_new[:, None, :] & new_vis)
+    if chunk is not None:
+        visible = visible & (key_pos[:, None, :] // chunk == positions[:, :, None] // chunk)
+    return visible[:, None]

@@ -1,0 +1,307 @@
+"""The Llama 4 text decoder, written from scratch. Architecture only: FP8, compile and parallelism are
+applied to a built model from their own files.
+
+Parameter names and layouts are HF's (`model.layers.{i}.self_attn.q_proj.weight`, fused experts
+`feed_forward.experts.gate_up_proj` [E, H, 2I] laid out [in, out]), so an HF checkpoint maps 1:1.
+
+Shape legend: B batch, T new tokens, S cache slots in view, H hidden, Hq/Hkv heads, D head dim,
+E experts, I expert width, N tokens flattened (B*T).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from maverick.config import Llama4Config
+from maverick.kv_cache import KVCache, attention_mask
+
+
+class RMSNorm(nn.Module):
+    """Normalise in fp32, cast back, then scale (the order matters for bf16 bit-parity with HF/Meta)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _rms(x, self.eps) * self.weight
+
+
+def _rms(x: Tensor, eps: float) -> Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
+def rope_inv_freq(cfg: Llama4Config) -> Tensor:
+    D = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float) / D))
+    sc = cfg.rope_scaling
+    if sc and sc.get("rope_type", sc.get("type")) == "llama3":
+        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        old_ctx = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
+        # between the two wavelengths, interpolate (empty when lo == hi, as in Scout)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo) if hi != lo else torch.zeros_like(wavelen)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Interleaved (complex-pair) RoPE: pairs (0,1), (2,3), ... rotate; x [B, T, h, D], cos/sin [B, T, 1, D/2]."""
+    xf = x.float()
+    x0, x1 = xf[..., 0::2], xf[..., 1::2]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Llama4Config, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(H, self.n_heads * D, bias=False)
+        self.k_proj = nn.Linear(H, self.n_kv * D, bias=False)
+        self.v_proj = nn.Linear(H, self.n_kv * D, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * D, H, bias=False)
+        self.use_rope = cfg.uses_rope(layer)
+        self.qk_norm = cfg.use_qk_norm and self.use_rope
+        self.temperature_tuning = cfg.attn_temperature_tuning and not self.use_rope
+        self.floor_scale, self.attn_scale, self.eps = cfg.floor_scale, cfg.attn_scale, cfg.rms_norm_eps
+        self.chunked = cfg.is_chunked(layer)
+
+    def forward(self, x: Tensor, ctx: _Ctx) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        if self.use_rope:
+            q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+            if self.qk_norm:  # weightless RMSNorm after RoPE, RoPE layers only
+                q, k = _rms(q, self.eps), _rms(k, self.eps)
+        elif self.temperature_tuning:
+            # NoPE layers: q *= 1 + attn_scale * log(floor((pos + 1) / floor_scale) + 1); 1.0 early on
+            scale = torch.log1p(torch.floor((ctx.positions.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
+            q = (q * scale[:, :, None, None]).to(q.dtype)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, h, T, D]
+        if ctx.cache is not None:
+            k, v = ctx.cache.write(self.layer, k, v, ctx.kv_len)  # [B, Hkv, S, D]
+        mask = ctx.chunk_mask if self.chunked else ctx.full_mask
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: dense layers and the MoE's shared expert."""
+
+    def __init__(self, H: int, I: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(H, I, bias=False)
+        self.up_proj = nn.Linear(H, I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts in HF's fused layout: gate_up_proj [E, H, 2I] (gate first), down_proj [E, I, H]."""
+
+    def __init__(self, E: int, H: int, I: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(E, H, 2 * I))
+        self.down_proj = nn.Parameter(torch.empty(E, I, H))
+
+    def expert(self, e: int, x_ND: Tensor) -> Tensor:
+        gate_NI, up_NI = (x_ND @ self.gate_up_proj[e]).chunk(2, dim=-1)
+        return (F.silu(gate_NI) * up_NI) @ self.down_proj[e]
+
+    def grouped(self, x_sorted_ND: Tensor, counts_E: list[int]) -> Tensor:
+        """Tokens sorted by expert, counts per expert -> outputs in the same order."""
+        outs = [self.expert(e, xs) for e, xs in enumerate(x_sorted_ND.split(counts_E)) if xs.shape[0]]
+        return torch.cat(outs) if outs else x_sorted_ND.new_zeros(x_sorted_ND.shape)
+
+
+class MoE(nn.Module):
+    """Llama 4 MoE in named stages: route (top-1, sigmoid of the chosen raw logit, scaling the expert's
+    INPUT), reorder tokens by expert, grouped SwiGLU, scatter back, add the shared expert.
+
+    `forward_reference` is the plain per-expert loop kept for reading and for testing the fast path.
+    """
+
+    def __init__(self, cfg: Llama4Config):
+        super().__init__()
+        H, I, E = cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts
+        self.num_experts = E
+        self.router = nn.Linear(H, E, bias=False)
+        self.experts = Experts(E, H, I)
+        self.shared_expert = MLP(H, I)
+
+    def route(self, x_ND: Tensor) -> tuple[Tensor, Tensor]:
+        logits_NE = self.router(x_ND)
+        top_N, expert_N = logits_NE.max(dim=-1)
+        score_N = torch.sigmoid(top_N.float()).to(x_ND.dtype)  # no renormalisation, no bias
+        return expert_N, score_N
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x_ND = x.reshape(-1, shape[-1])
+        expert_N, score_N = self.route(x_ND)
+        routed_in_ND = x_ND * score_N[:, None]
+        order_N = torch.argsort(expert_N, stable=True)
+        counts_E = torch.bincount(expert_N, minlength=self.num_experts).tolist()  # host sync: group sizes
+        out_sorted_ND = self.experts.grouped(routed_in_ND[order_N], counts_E)
+        routed_ND = torch.empty_like(x_ND).index_copy_(0, order_N, out_sorted_ND)
+        return (self.shared_expert(x_ND) + routed_ND).view(shape)
+
+    def forward_reference(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x_ND = x.reshape(-1, shape[-1])
+        expert_N, score_N = self.route(x_ND)
+        out_ND = self.shared_expert(x_ND)
+        for n in range(x_ND.shape[0]):
+            e = int(expert_N[n])
+            out_ND[n] += self.experts.expert(e, x_ND[n : n + 1] * score_N[n])[0]
+        return out_ND.view(shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Llama4Config, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.is_moe = cfg.is_moe(layer)
+        self.feed_forward = MoE(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size_mlp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, ctx: _Ctx) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.feed_forward(self.post_attention_layernorm(x))
+
+
+@dataclass
+class _Ctx:
+    """Per-forward state shared by every layer (computed once)."""
+
+    positions: Tensor  # [B, T]
+    cos: Tensor
+    sin: Tensor
+    full_mask: Tensor
+    chunk_mask: Tensor | None
+    cache: KVCache | None
+    kv_len: int
+
+
+@dataclass
+class Output:
+    logits: Tensor | None  # [B, T', V] fp32 or model dtype
+    features: Tensor | None  # [B, T, n*H]: hidden states entering the requested layers, concatenated
+    hidden: Tensor  # [B, T, H]: final hidden state after the last norm
+
+
+class TextModel(nn.Module):
+    def __init__(self, cfg: Llama4Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Llama4(nn.Module):
+    """Llama4ForCausalLM's text decoder. `forward` runs with or without a KV cache.
+
+    With a cache, the T new tokens go to slots cache.lengths + arange(T) and the cache advances by T;
+    speculative decoding rolls back with `cache.truncate` / `cache.compact`.
+    """
+
+    def __init__(self, cfg: Llama4Config):
+        super().__init__()
+        self.config = cfg
+        self.model = TextModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
+        c = self.config
+        return KVCache(
+            c.num_hidden_layers, batch_size, max_len, c.num_key_value_heads, c.head_dim, dtype or self.dtype, self.device
+        )
+
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            else:
+                nn.init.normal_(p, std=std, generator=generator)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        cache: KVCache | None = None,
+        positions: Tensor | None = None,
+        tree_mask: Tensor | None = None,
+        feature_layers: tuple[int, ...] = (),
+        logits: str | Tensor | None = "all",
+        inputs_embeds: Tensor | None = None,
+    ) -> Output:
+        """tokens [B, T]. positions [B, T] default: cache.lengths + arange(T) (or arange(T) without cache).
+        tree_mask [B or 1, T, T]: which new tokens see which (default causal).
+        feature_layers: return the hidden states entering these layers (index L = after the last layer,
+        before the final norm), concatenated on the last dim; the others are not kept.
+        logits: "all", "last", None (skip the head), or an index tensor [B, n] of positions to score.
+        """
+        B, T = tokens.shape
+        cfg = self.config
+        start = cache.lengths if cache is not None else None
+        if positions is None:
+            base = start[:, None] if start is not None else 0
+            positions = base + torch.arange(T, device=tokens.device)[None, :].expand(B, T)
+        kv_len = cache.kv_len(T) if cache is not None else T
+        full = attention_mask(positions, start, kv_len, None, tree_mask)
+        chunked = None
+        if any(cfg.is_chunked(i) for i in range(cfg.num_hidden_layers)):
+            chunked = attention_mask(positions, start, kv_len, cfg.attention_chunk_size, tree_mask)
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+        ctx = _Ctx(positions, freqs.cos()[:, :, None], freqs.sin()[:, :, None], full, chunked, cache, kv_len)
+
+        x = self.model.embed_tokens(tokens) if inputs_embeds is None else inputs_embeds
+        feats = []
+        for i, layer in enumerate(self.model.layers):
+            if i in feature_layers:
+                feats.append(x)
+            x = layer(x, ctx)
+        if cfg.num_hidden_layers in feature_layers:
+            feats.append(x)
+        if cache is not None:
+            cache.advance(T)
+        h = self.model.norm(x)
+        out_logits = None
+        if isinstance(logits, Tensor):
+            out_logits = self.lm_head(h.gather(1, logits[..., None].expand(-1, -1, h.shape[-1])))
+        elif logits == "all":
+            out_logits = self.lm_head(h)
+        elif logits == "last":
+            out_logits = self.lm_head(h[:, -1:])
+        elif logits is not None:
+            raise ValueError(f"logits must be 'all', 'last', None or an index tensor, got {logits!r}")
+        features = torch.cat(feats, dim=-1) if feats else None
+        return Output(out_logits, features, h)
