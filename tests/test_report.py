@@ -1,0 +1,312 @@
+"""Every number of the evaluation report checked against hand-computed values for known runs."""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import asdict
+
+import pytest
+
+from eval.report import (
+    RED,
+    RESET,
+    MethodSummary,
+    RunRecord,
+    acceptance_rates,
+    first_difference,
+    load_report,
+    print_table,
+    summarise,
+    to_markdown,
+    write_report,
+)
+
+P0_IDS = list(range(100))
+P1_IDS = list(range(1000, 1050))
+
+
+def plain(prompt_id: str, tokens: int, seconds: float, ids: list[int], **kw) -> RunRecord:
+    return RunRecord("ours-plain", prompt_id, 0, tokens, seconds, ttft=0.5, output_ids=ids, **kw)
+
+
+def single_prompt_records() -> list[RunRecord]:
+    """The brief's example: plain 100 tokens in 10 s, HF 100 in 20 s, EAGLE accepted [3, 1, 0, 4] in 4 s."""
+    return [
+        plain("p0", 100, 10.0, P0_IDS, peak_memory_mb=1000.0, dtype="bf16"),
+        RunRecord("hf-generate", "p0", 0, 100, 20.0, ttft=1.0, peak_memory_mb=1500.0, output_ids=P0_IDS),
+        RunRecord(
+            "eagle3-k4",
+            "p0",
+            0,
+            100,
+            4.0,
+            ttft=0.25,
+            cycles=4,
+            accepted=[3, 1, 0, 4],
+            draft_lengths=[4, 4, 4, 4],
+            draft_seconds=1.0,
+            verify_seconds=2.5,
+            peak_memory_mb=1100.0,
+            output_ids=P0_IDS,
+            dtype="bf16",
+        ),
+    ]
+
+
+def two_prompt_records() -> list[RunRecord]:
+    """Two prompts, where the aggregate speedup and the mean of per-prompt speedups differ, a fixed-k
+    method with one changed token and a tuned method whose k varies and whose output is truncated."""
+    changed = P1_IDS.copy()
+    changed[7] += 1
+    return [
+        plain("p0", 100, 10.0, P0_IDS, peak_memory_mb=1000.0),
+        RunRecord("hf-generate", "p0", 0, 100, 20.0, ttft=1.0, output_ids=P0_IDS),
+        RunRecord(
+            "eagle3-k4",
+            "p0",
+            0,
+            100,
+            4.0,
+            ttft=0.2,
+            cycles=4,
+            accepted=[3, 1, 0, 4],
+            draft_lengths=[4, 4, 4, 4],
+            draft_seconds=1.0,
+            verify_seconds=2.0,
+            peak_memory_mb=1100.0,
+            output_ids=P0_IDS,
+        ),
+        RunRecord(
+            "eagle3-tuned",
+            "p0",
+            0,
+            100,
+            5.0,
+            ttft=0.3,
+            cycles=4,
+            accepted=[2, 1, 0, 3],
+            draft_lengths=[2, 4, 3, 3],
+            draft_seconds=0.5,
+            verify_seconds=4.0,
+            output_ids=P0_IDS[:60],
+        ),
+        plain("p1", 50, 10.0, P1_IDS, peak_memory_mb=1200.0),
+        RunRecord("hf-generate", "p1", 0, 50, 20.0, ttft=1.0, output_ids=P1_IDS),
+        RunRecord(
+            "eagle3-k4",
+            "p1",
+            0,
+            50,
+            2.5,
+            ttft=0.4,
+            cycles=2,
+            accepted=[4, 4],
+            draft_lengths=[4, 4],
+            draft_seconds=0.5,
+            verify_seconds=1.5,
+            peak_memory_mb=1300.0,
+            output_ids=changed,
+        ),
+    ]
+
+
+def by_method(summaries: list[MethodSummary]) -> dict[str, MethodSummary]:
+    return {s.method: s for s in summaries}
+
+
+def test_single_prompt_numbers():
+    s = by_method(summarise(single_prompt_records()))
+    assert list(s) == ["ours-plain", "hf-generate", "eagle3-k4"]
+
+    p, hf, e = s["ours-plain"], s["hf-generate"], s["eagle3-k4"]
+    assert (p.tokens_per_s, hf.tokens_per_s, e.tokens_per_s) == (10.0, 5.0, 25.0)
+    assert (p.speedup, p.speedup_hf) == (1.0, 2.0)
+    assert (hf.speedup, hf.speedup_hf) == (0.5, 1.0)
+    assert (e.speedup, e.speedup_hf) == (2.5, 5.0)
+    assert (e.speedup_mean, e.speedup_hf_mean) == (2.5, 5.0)
+
+    assert e.tau == 3.0  # mean of (3 + 1, 1 + 1, 0 + 1, 4 + 1)
+    assert e.accept_rates == [0.75, 0.5, 0.5, 0.25]
+    assert e.draft_share == 0.25 and e.verify_share == 0.625
+    assert e.draft_length_counts == [0, 0, 0, 0, 4] and e.mean_draft_length == 4.0
+    assert (e.cycles, e.prompts, e.generations, e.new_tokens, e.seconds) == (4, 1, 1, 100, 4.0)
+    assert (e.mean_ttft, e.peak_memory_mb, e.dtype) == (0.25, 1100.0, "bf16")
+
+    # Non-speculative methods have no tau, no acceptance, no draft share.
+    for m in (p, hf):
+        assert (m.tau, m.accept_rates, m.draft_share, m.mean_draft_length, m.cycles) == (
+            None,
+            [],
+            None,
+            None,
+            0,
+        )
+    assert all((m.compared, m.mismatches, m.first_mismatch_index) == (1, 0, None) for m in s.values())
+
+
+def test_two_prompts_aggregate_vs_per_prompt_speedup():
+    s = by_method(summarise(two_prompt_records()))
+    p, e = s["ours-plain"], s["eagle3-k4"]
+    assert p.tokens_per_s == 150 / 20
+    assert s["hf-generate"].tokens_per_s == 150 / 40
+    assert e.tokens_per_s == 150 / 6.5
+    # Aggregate: (150 / 6.5) / 7.5; per prompt: p0 25 / 10 = 2.5, p1 20 / 5 = 4.0, mean 3.25.
+    assert e.speedup == pytest.approx(20 / 6.5, rel=1e-15)
+    assert e.speedup_mean == 3.25
+    # Against HF: p0 25 / 5 = 5, p1 20 / 2.5 = 8, mean 6.5.
+    assert e.speedup_hf == pytest.approx(40 / 6.5, rel=1e-15)
+    assert e.speedup_hf_mean == 6.5
+
+    # accepted over both prompts: [3, 1, 0, 4, 4, 4] -> tau = (16 + 6) / 6.
+    assert e.tau == 22 / 6
+    assert e.accept_rates == [5 / 6, 4 / 6, 4 / 6, 3 / 6]
+    assert e.draft_share == 1.5 / 6.5
+    assert e.mean_ttft == pytest.approx(0.3, rel=1e-15) and e.peak_memory_mb == 1300.0
+    assert (e.prompts, e.generations, e.cycles) == (2, 2, 6)
+    assert p.peak_memory_mb == 1200.0 and p.mean_ttft == 0.5
+
+
+def test_tuned_draft_lengths_condition_acceptance_on_reaching_the_position():
+    t = by_method(summarise(two_prompt_records()))["eagle3-tuned"]
+    # accepted [2, 1, 0, 3] with k [2, 4, 3, 3]: position 3 is reached by 3 cycles, position 4 by one.
+    assert t.accept_rates == [3 / 4, 2 / 4, 1 / 3, 0.0]
+    assert t.tau == 10 / 4
+    assert t.draft_length_counts == [0, 0, 1, 2, 1] and t.mean_draft_length == 3.0
+    assert t.tokens_per_s == 20.0 and t.speedup == 2.0 and t.speedup_hf == 4.0
+    assert t.draft_share == 0.1 and t.verify_share == 0.8
+    assert acceptance_rates([], []) == []
+
+
+def test_mismatch_count_and_first_differing_token():
+    s = by_method(summarise(two_prompt_records()))
+    e, t = s["eagle3-k4"], s["eagle3-tuned"]
+    assert (e.compared, e.mismatches, e.first_mismatch_index) == (2, 1, 7)
+    assert e.mismatch_details == [{"prompt_id": "p1", "turn": 0, "index": 7}]
+    # A truncated output differs at the first missing token.
+    assert (t.compared, t.mismatches, t.first_mismatch_index) == (1, 1, 60)
+    assert (s["hf-generate"].mismatches, s["ours-plain"].mismatches) == (0, 0)
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_missing_baselines_give_none():
+    records = [r for r in two_prompt_records() if r.method not in ("ours-plain", "hf-generate")]
+    for m in summarise(records):
+        assert (m.speedup, m.speedup_mean, m.speedup_hf, m.speedup_hf_mean) == (None,) * 4
+        assert (m.compared, m.mismatches, m.first_mismatch_index, m.mismatch_details) == (
+            None,
+            None,
+            None,
+            [],
+        )
+    # Another baseline name is honoured.
+    e = by_method(summarise(records, baseline="eagle3-tuned"))["eagle3-k4"]
+    # Speedups use only the pairs both ran: p0, 25 tok/s over 20 tok/s.
+    assert e.speedup == 1.25 and e.speedup_mean == 1.25 and e.compared == 1 and e.mismatches == 1
+
+
+def test_record_validation_names_the_field():
+    with pytest.raises(ValueError, match="'accepted' \\(3\\).*cycles=4"):
+        RunRecord("m", "p", 0, 10, 1.0, 0.1, cycles=4, accepted=[1, 1, 1], draft_lengths=[2] * 4)
+    with pytest.raises(ValueError, match="cycle 1 has accepted=3, draft_length=2"):
+        RunRecord("m", "p", 0, 10, 1.0, 0.1, cycles=2, accepted=[1, 3], draft_lengths=[2, 2])
+    with pytest.raises(ValueError, match="'seconds' must be > 0"):
+        RunRecord("m", "p", 0, 10, 0.0, 0.0)
+    with pytest.raises(ValueError, match="'ttft' must be a finite number"):
+        RunRecord("m", "p", 0, 10, 1.0, float("nan"))
+    with pytest.raises(ValueError, match="'turn' must be an int"):
+        RunRecord("m", "p", -1, 10, 1.0, 0.1)
+    with pytest.raises(ValueError, match="duplicate record for method='ours-plain' prompt_id='p0' turn=0"):
+        summarise(single_prompt_records() + single_prompt_records()[:1])
+    with pytest.raises(ValueError, match="unknown field\\(s\\) \\['tokens'\\]"):
+        RunRecord.from_dict({**asdict(single_prompt_records()[0]), "tokens": 3})
+
+
+def test_markdown_contains_the_numbers():
+    md = to_markdown(summarise(two_prompt_records()))
+    lines = md.splitlines()
+    assert lines[0] == (
+        "| method | tok/s | x plain | x HF | tau | accept@1 | accept@2 | accept@3 | accept@4 "
+        "| draft share | TTFT (s) | peak MB | mismatches |"
+    )
+    assert lines[2] == "| ours-plain | 7.50 | 1.00x | 2.00x | - | - | - | - | - | - | 0.500 | 1200.0 | 0/2 |"
+    assert lines[3] == "| hf-generate | 3.75 | 0.50x | 1.00x | - | - | - | - | - | - | 1.000 | 0.0 | 0/2 |"
+    assert lines[4] == (
+        "| eagle3-k4 | 23.08 | 3.08x | 6.15x | 3.67 | 0.83 | 0.67 | 0.67 | 0.50 | 23.1% | 0.300 | 1300.0 | 1/2 |"
+    )
+    assert lines[5] == (
+        "| eagle3-tuned | 20.00 | 2.00x | 4.00x | 2.50 | 0.75 | 0.50 | 0.33 | 0.00 | 10.0% | 0.300 | 0.0 | 1/1 |"
+    )
+    assert len(lines) == 6
+
+
+def test_print_table_marks_mismatches_red_and_fails():
+    out = io.StringIO()
+    assert print_table(summarise(two_prompt_records()), file=out) is False
+    text = out.getvalue()
+    assert f" {RED}1/2{RESET}\n" in text and f" {RED}1/1{RESET}\n" in text
+    assert (
+        "FAIL: eagle3-k4: 1 of 2 outputs differ from ours-plain (first: prompt 'p1' turn 0 at token 7)"
+        in text
+    )
+    assert (
+        "FAIL: eagle3-tuned: 1 of 1 outputs differ from ours-plain (first: prompt 'p0' turn 0 at token 60)"
+        in text
+    )
+
+    out = io.StringIO()
+    assert print_table(summarise(single_prompt_records()), file=out) is True
+    assert "\033[" not in out.getvalue() and "FAIL" not in out.getvalue()
+    header, *rows = out.getvalue().splitlines()
+    assert header.split()[:3] == ["method", "tok/s", "x"] and len(rows) == 3
+    assert rows[2].split()[:5] == ["eagle3-k4", "25.00", "2.50x", "5.00x", "3.00"]
+
+
+def test_write_report_round_trip_and_plots(tmp_path):
+    records = two_prompt_records()
+    summaries = summarise(records)
+    config = {"model": "tiny", "temperature": 0.0, "methods": ["ours-plain", "eagle3-k4"], "out": tmp_path}
+    paths = write_report(records, summaries, config, tmp_path / "run")
+
+    assert set(paths) == {"json", "markdown", "speedup", "acceptance", "draft_length"}
+    loaded_config, loaded_records, loaded_summaries = load_report(paths["json"])
+    assert loaded_config == {**config, "out": str(tmp_path)}
+    assert loaded_records == records
+    assert loaded_summaries == summaries
+    assert json.loads(paths["json"].read_text())["summaries"][2]["tau"] == 22 / 6
+    assert paths["markdown"].read_text() == to_markdown(summaries)
+    for name in ("speedup", "acceptance", "draft_length"):
+        data = paths[name].read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000, name
+    # Atomic writes leave no temporary files behind.
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
+        "acceptance.png",
+        "draft_length.png",
+        "report.json",
+        "report.md",
+        "speedup.png",
+    ]
+
+
+def test_write_report_without_speculative_or_baseline_methods(tmp_path):
+    only_hf = [r for r in single_prompt_records() if r.method == "hf-generate"]
+    paths = write_report(only_hf, summarise(only_hf), {}, tmp_path)
+    assert all(p.stat().st_size > 0 for p in paths.values())
+
+
+def test_unserialisable_config_is_named(tmp_path):
+    records = single_prompt_records()
+    with pytest.raises(TypeError, match="config value of type object"):
+        write_report(records, summarise(records), {"bad": object()}, tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_summary_from_dict_rejects_missing_fields():
+    d = asdict(summarise(single_prompt_records())[0])
+    del d["tau"]
+    with pytest.raises(ValueError, match="missing field\\(s\\) \\['tau'\\]"):
+        MethodSummary.from_dict(d)
+    d["tau"] = 1.0
+    assert MethodSummary.from_dict(d).tau == 1.0
