@@ -1,0 +1,112 @@
+"""The training-time test (TTT): the draft is unrolled n steps on its own outputs, as at inference.
+
+Index t of a sequence holds the target's features f_t (from tokens <= t). Step 0 reads (f_t, x_{t+1}) at
+RoPE position t and predicts x_{t+2}; step i reads (h^{i-1}_t, x_{t+1+i}) at position t + i, where h^{i-1}_t
+is the draft's own output of the previous step at the same index, and predicts x_{t+2+i}. That is what
+draft step i sees when decoding: the committed prefix (true features) plus its own earlier steps. So at
+step i a query at index t attends to
+    step-0 keys at indices <= t  (causal)   and   step-j keys (1 <= j <= i) at index t only (diagonal).
+`ttt_mask` builds that pattern; tests/test_ttt.py checks it against a brute-force construction.
+
+The loss at step i is the soft cross-entropy between the draft's distribution over the draft vocab and
+the target's softmax restricted to the draft vocab at position t+1+i, counted where x_{t+2+i} is an
+assistant token and the target's argmax lies inside the draft vocab; steps are weighted 0.8^i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from eagle3.draft import Eagle3Draft
+
+
+def ttt_mask(T: int, step: int, device=None) -> Tensor:
+    """Bool [T, (step+1)*T]: which keys (step-major: all step-0 keys, then step-1 keys, ...) index t sees."""
+    blocks = [torch.ones(T, T, dtype=torch.bool, device=device).tril()]
+    eye = torch.eye(T, dtype=torch.bool, device=device)
+    blocks += [eye] * step
+    return torch.cat(blocks, dim=1)
+
+
+@dataclass
+class TTTBatch:
+    input_ids: Tensor  # [B, T] long
+    loss_mask: Tensor  # [B, T] 1 on assistant tokens
+    features: Tensor  # [B, T, n*H] target hidden states entering the feature layers
+    target_logits: Tensor  # [B, T, V'] target logits over the draft vocab (position t predicts x_{t+1})
+    target_in_vocab: Tensor  # [B, T] bool: the target's full-vocab argmax at t is inside the draft vocab
+    attention_valid: Tensor | None = None  # [B, T] bool, False on right padding
+
+
+def target_draft_logits(
+    final_hidden: Tensor, lm_head_weight: Tensor, draft: Eagle3Draft
+) -> tuple[Tensor, Tensor]:
+    """From the target's final (normed) hidden states: logits over the draft vocab [.., V'] and whether the
+    full-vocab argmax is inside the draft vocab [..]."""
+    full = final_hidden.float() @ lm_head_weight.float().T  # [.., V]
+    in_vocab = draft.t2d[full.argmax(-1)]
+    return full[..., draft.draft_to_target_ids], in_vocab
+
+
+def ttt_unroll(
+    draft: Eagle3Draft,
+    embed: torch.nn.Embedding,
+    input_ids: Tensor,
+    features: Tensor,
+    steps: int,
+    attention_valid: Tensor | None = None,
+):
+    """Yield (step i, draft logits [B, T, V']) for i = 0..steps-1; index t of step i predicts x_{t+2+i}."""
+    B, T = input_ids.shape
+    dev = input_ids.device
+    h = draft.project(features)  # [B, T, H]
+    pos0 = torch.arange(T, device=dev)[None].expand(B, T)
+    attn = draft.midlayer.self_attn
+    keys, values = [], []
+    for i in range(min(steps, T - 1)):
+        tok = F.pad(input_ids[:, 1 + i :], (0, 1 + i), value=0)  # x_{t+1+i} at index t (0 past the end)
+        cos, sin = draft.rope(pos0 + i)
+        q, k, v = attn.qkv(draft.attn_input(embed(tok), h), cos, sin)
+        keys.append(k)
+        values.append(v)
+        mask = ttt_mask(T, i, dev)[None, None]
+        if attention_valid is not None:  # right padding: never attend to padded keys
+            mask = mask & attention_valid.repeat(1, i + 1)[:, None, None, :]
+        h = draft.finish(h, attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), mask))
+        yield i, draft.logits(h).float()
+
+
+def ttt_loss(
+    draft: Eagle3Draft,
+    embed: torch.nn.Embedding,
+    batch: TTTBatch,
+    steps: int = 7,
+    decay: float = 0.8,
+) -> tuple[Tensor, dict]:
+    """Unrolled loss. Returns (loss, stats) with per-step loss, top-1 agreement (acceptance proxy), counts."""
+    target_p = F.softmax(batch.target_logits.float(), dim=-1)  # [B, T, V']
+    target_top = batch.target_logits.argmax(-1)  # [B, T] draft ids
+    T = target_top.shape[1]
+    total = target_p.new_zeros(())
+    stats = {"loss": [], "acc": [], "count": []}
+    for i, logits in ttt_unroll(draft, embed, batch.input_ids, batch.features, steps, batch.attention_valid):
+        # the target at position t+1+i predicts x_{t+2+i}: valid where that token exists and is the assistant's
+        tp = F.pad(target_p[:, 1 + i :], (0, 0, 0, 1 + i))
+        ttop = F.pad(target_top[:, 1 + i :], (0, 1 + i))
+        valid = F.pad(
+            batch.loss_mask[:, 2 + i :].bool() & batch.target_in_vocab[:, 1 + i : T - 1], (0, 2 + i)
+        )
+        n = valid.sum()
+        ce = -(tp * F.log_softmax(logits, dim=-1)).sum(-1)  # [B, T]
+        loss_i = (ce * valid).sum() / n.clamp(min=1)
+        total = total + decay**i * loss_i
+        with torch.no_grad():
+            acc = ((logits.argmax(-1) == ttop) & valid).sum() / n.clamp(min=1)
+        stats["loss"].append(loss_i.detach())
+        stats["acc"].append(acc)
+        stats["count"].append(n)
+    return total, stats
