@@ -123,6 +123,8 @@ def build_model(
                 f"{source}: key {k!r} has shape {tuple(state_dict[k].shape)}, expected {tuple(meta.shape)}"
             )
     tensors = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
+    if tied:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     model.load_state_dict(tensors, strict=True, assign=True)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
