@@ -110,6 +110,14 @@ def test_sharegpt_whole_file_is_not_truncated(tmp_path):
     assert conversations[0]["messages"][1] == {"role": "assistant", "content": "yo"}
 
 
+def test_sharegpt_cut_between_records(tmp_path):
+    rec = {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}
+    path = _write(tmp_path / "cut.json", "[" + json.dumps(rec) + ",\n  ")
+    conversations, report = data.load_sharegpt(path)
+    assert (len(conversations), report.truncated, report.dropped_bytes) == (1, True, 0)
+    assert report.truncated_at_byte == report.file_bytes
+
+
 def test_sharegpt_corrupt_middle_is_an_error(tmp_path):
     path = _write(
         tmp_path / "bad.json", '[{"id": "a", "conversations": []}, {"id": "b" "x": 1}, {"id": "c"}]'

@@ -202,8 +202,8 @@ def _scan_json_array(text: str, where: str) -> tuple[list[Any], int | None]:
     i = start + 1
     while True:
         i = _SEPARATORS.match(text, i).end()
-        if i >= len(text):
-            return elements, None
+        if i >= len(text):  # ran out between elements: truncated unless the array was closed
+            return elements, (None if closed else i)
         if text[i] == "]":
             return elements, None
         try:
