@@ -1,0 +1,405 @@
+"""Choosing how much to speculate, from measurements taken on the running machine.
+
+A longer draft buys more tokens per cycle only while the draft keeps being accepted, and every
+draft token costs a draft forward and a wider verify pass. The best draft length therefore depends
+on the draft's acceptance on THIS traffic and on the costs of THIS machine, and both drift (a code
+prompt is easier than a chat one; batch size changes the verify cost). So the tuner measures both
+and maximises expected goodput, not acceptance:
+
+    E(k) = 1 + sum_{i=1..k} prod_{j<=i} alpha_j       expected tokens per cycle (bonus included)
+    T(k) = draft_time(k) + verify_time(k + 1)         seconds per cycle
+    choose argmax_k E(k) / T(k)
+
+alpha_j is the conditional acceptance at draft position j (position j accepted given positions
+< j were), tracked per position because EAGLE drafts get worse with depth. A cycle that accepted
+n of k tokens is n successes at positions 1..n and, if n < k, one failure at position n + 1;
+positions beyond the first rejection say nothing. Each alpha is (prior + hits) / (prior weight +
+tries) over counts discounted by (1 - alpha_ema) per CYCLE, so a position rarely tried any more
+(deep positions once k shrank) forgets old traffic as fast as position 1 does and drifts back to
+the optimistic prior (0.8, worth two observations): unexplored lengths look attractive until
+measured.
+
+Costs are EMAs per size; a size never measured is predicted by a least-squares line a + b * n
+through the measured sizes (with one measured size: proportional for the draft, flat for the
+verify, which is what the two look like on a GPU). The chosen k only measures its own
+neighbourhood, so every ``probe_every``-th decision deterministically tries a neighbour of the
+best k (alternately above and below): that is how the tuner notices that a longer draft became
+worthwhile after the acceptance rose.
+
+Tree drafts have no per-position model that would survive dynamic trees, so tree configurations
+(e.g. total-token budgets) are compared directly: EMA of tokens per cycle over EMA of seconds per
+cycle, each configuration tried ``tree_min_trials`` times first, then probed round-robin.
+
+``FixedK`` and ``HeuristicK`` (HF assisted generation: +2 after a fully accepted draft, -1
+otherwise) share the interface so the decoding loop and benchmarks can swap policies.
+
+The loop calls, per cycle: ``k = policy.choose_k()``, then ``record_draft(k, s)``,
+``record_verify(k + 1, s)`` and ``record_acceptance(k, n_accepted)``. Every decision is appended to
+``policy.log`` (a list of dicts); ``summary()`` returns the current estimates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["DraftLengthTuner", "FixedK", "HeuristicK", "LinearCost"]
+
+
+def _as_counts(n_accepted: int | Sequence[int] | torch.Tensor) -> list[int]:
+    """n_accepted for one row (int) or a batch (sequence / 1-D tensor; a tensor is read once)."""
+    if isinstance(n_accepted, torch.Tensor):
+        return [int(x) for x in n_accepted.reshape(-1).tolist()]
+    if isinstance(n_accepted, int):
+        return [n_accepted]
+    return [int(x) for x in n_accepted]
+
+
+class LinearCost:
+    """Measured seconds per size (EMA), with a least-squares line for sizes not measured yet.
+
+    ``single`` says how one measured size extrapolates: "proportional" (t * n / n0: draft cost grows
+    with the number of draft steps) or "flat" (t: a verify pass is memory-bound, nearly constant in
+    the number of tokens for small n).
+    """
+
+    def __init__(self, ema: float = 0.1, single: str = "proportional"):
+        if not 0.0 < ema <= 1.0:
+            raise ValueError(f"LinearCost.ema must be in (0, 1], got {ema}")
+        if single not in ("proportional", "flat"):
+            raise ValueError(f"LinearCost.single must be 'proportional' or 'flat', got {single!r}")
+        self.ema, self.single = ema, single
+        self.seconds: dict[int, float] = {}
+        self.counts: dict[int, int] = {}
+
+    def record(self, n: int, seconds: float) -> None:
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"measured seconds for size {n} must be finite and >= 0, got {seconds}")
+        c = self.counts.get(n, 0) + 1
+        w = max(self.ema, 1.0 / c)  # plain mean for the first 1/ema measurements, then EMA
+        self.seconds[n] = seconds if c == 1 else (1 - w) * self.seconds[n] + w * seconds
+        self.counts[n] = c
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.seconds)
+
+    def line(self) -> tuple[float, float]:
+        """(a, b) of the fit a + b * n through the measured sizes."""
+        if not self.seconds:
+            raise ValueError("LinearCost.line: no size has been measured yet")
+        xs = list(self.seconds)
+        ys = [self.seconds[x] for x in xs]
+        if len(xs) == 1:
+            x, y = xs[0], ys[0]
+            return (0.0, y / x) if self.single == "proportional" and x > 0 else (y, 0.0)
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        return my - b * mx, b
+
+    def predict(self, n: int) -> float:
+        if n in self.seconds:
+            return self.seconds[n]
+        a, b = self.line()
+        return max(0.0, a + b * n)
+
+
+class _Policy:
+    """Shared bookkeeping: realised tokens and seconds, the decision log."""
+
+    def __init__(self) -> None:
+        self.log: list[dict[str, Any]] = []
+        self.decisions = 0
+        self.tokens = 0
+        self.seconds = 0.0
+
+    def record_draft(self, k: int, seconds: float) -> None:
+        self.seconds += seconds
+
+    def record_verify(self, n_tokens: int, seconds: float) -> None:
+        self.seconds += seconds
+
+    def record_acceptance(self, k: int, n_accepted: int | Sequence[int] | torch.Tensor) -> None:
+        counts = _as_counts(n_accepted)
+        bad = [n for n in counts if not 0 <= n <= k]
+        if bad:
+            raise ValueError(f"record_acceptance: n_accepted must be in 0..k={k}, got {bad[:4]}")
+        self.tokens += sum(n + 1 for n in counts)
+        self._observe(k, counts)
+
+    def _observe(self, k: int, counts: list[int]) -> None:
+        pass
+
+    @property
+    def realised_tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "policy": type(self).__name__,
+            "decisions": self.decisions,
+            "tokens": self.tokens,
+            "seconds": self.seconds,
+            "realised_tokens_per_s": self.realised_tokens_per_s,
+        }
+
+
+class FixedK(_Policy):
+    """Always the same draft length (the baseline every tuner must beat)."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        if k < 0:
+            raise ValueError(f"FixedK.k must be >= 0, got {k}")
+        self.k = k
+
+    def choose_k(self) -> int:
+        self.decisions += 1
+        self.log.append({"cycle": self.decisions, "kind": "chain", "k": self.k, "reason": "fixed"})
+        return self.k
+
+    def summary(self) -> dict[str, Any]:
+        return {**super().summary(), "k": self.k}
+
+
+class HeuristicK(_Policy):
+    """HF assisted generation's schedule: k += 2 after a fully accepted draft, else k -= 1.
+
+    Bounded to [k_min, k_max]. For a batch, the draft counts as fully accepted only if every row
+    accepted all k tokens (the batch shares one k).
+    """
+
+    def __init__(self, k_init: int = 5, k_min: int = 1, k_max: int = 8):
+        super().__init__()
+        if not 0 <= k_min <= k_init <= k_max:
+            raise ValueError(
+                f"HeuristicK needs 0 <= k_min <= k_init <= k_max, got {k_min}, {k_init}, {k_max}"
+            )
+        self.k, self.k_min, self.k_max = k_init, k_min, k_max
+
+    def choose_k(self) -> int:
+        self.decisions += 1
+        self.log.append({"cycle": self.decisions, "kind": "chain", "k": self.k, "reason": "heuristic"})
+        return self.k
+
+    def _observe(self, k: int, counts: list[int]) -> None:
+        full = all(n == k for n in counts)
+        self.k = min(self.k_max, k + 2) if full else max(self.k_min, k - 1)
+
+    def summary(self) -> dict[str, Any]:
+        return {**super().summary(), "k": self.k}
+
+
+class DraftLengthTuner(_Policy):
+    """Goodput-maximising choice of the chain draft length k (and of a tree configuration).
+
+    choices: candidate k values (>= 0; 0 = no speculation). alpha_init / prior_weight: the
+    optimistic prior of each conditional acceptance and how many observations it is worth.
+    alpha_ema: per-cycle discount of the acceptance evidence (0.01 ~ the last hundred cycles at
+    batch 1: noise ~0.05 on an alpha, yet follows a shift in traffic within a few hundred cycles).
+    cost_ema: EMA weight of the measured times. probe_every: every n-th decision tries a
+    neighbour of the best k. k_init: the first choice, before any cost is known (default: the
+    largest, which measures the acceptance at every position at once). tree_configs: hashable
+    tree configurations for ``choose_tree``; tree_min_trials: tries of each before exploiting.
+    """
+
+    def __init__(
+        self,
+        choices: Iterable[int] = range(1, 9),
+        *,
+        alpha_init: float = 0.8,
+        prior_weight: float = 2.0,
+        alpha_ema: float = 0.01,
+        cost_ema: float = 0.1,
+        probe_every: int = 16,
+        k_init: int | None = None,
+        tree_configs: Iterable[Hashable] = (),
+        tree_min_trials: int = 3,
+        tree_ema: float = 0.05,
+    ):
+        super().__init__()
+        self.choices = sorted(set(int(k) for k in choices))
+        if not self.choices or self.choices[0] < 0:
+            raise ValueError(f"DraftLengthTuner.choices must be non-empty and >= 0, got {self.choices}")
+        if not 0.0 < alpha_init < 1.0:
+            raise ValueError(f"DraftLengthTuner.alpha_init must be in (0, 1), got {alpha_init}")
+        if prior_weight <= 0 or not 0.0 < alpha_ema <= 1.0 or not 0.0 < tree_ema <= 1.0:
+            raise ValueError("DraftLengthTuner: prior_weight must be > 0 and alpha_ema, tree_ema in (0, 1]")
+        if probe_every < 2:
+            raise ValueError(f"DraftLengthTuner.probe_every must be >= 2, got {probe_every}")
+        self.k_init = self.choices[-1] if k_init is None else k_init
+        if self.k_init not in self.choices:
+            raise ValueError(f"DraftLengthTuner.k_init={self.k_init} is not one of choices {self.choices}")
+        self.alpha_ema, self.prior_weight, self.probe_every = alpha_ema, prior_weight, probe_every
+        k_max = self.choices[-1]
+        self.alpha_init = alpha_init
+        self.alphas = [alpha_init] * k_max  # alphas[j - 1] = conditional acceptance at position j
+        self.alpha_hits = [0.0] * k_max  # discounted accepted / tried counts per position
+        self.alpha_tries = [0.0] * k_max
+        self.draft_cost = LinearCost(cost_ema, single="proportional")
+        self.verify_cost = LinearCost(cost_ema, single="flat")
+        self._probe_up = True
+
+        self.tree_configs = list(tree_configs)
+        if len(set(self.tree_configs)) != len(self.tree_configs):
+            raise ValueError(f"DraftLengthTuner.tree_configs must be distinct, got {self.tree_configs}")
+        self.tree_min_trials, self.tree_ema = tree_min_trials, tree_ema
+        self.tree_tokens: dict[Hashable, float] = {}
+        self.tree_seconds: dict[Hashable, float] = {}
+        self.tree_counts: dict[Hashable, int] = {c: 0 for c in self.tree_configs}
+        self.tree_decisions = 0
+        self._tree_probe = 0
+
+    # -- estimates --------------------------------------------------------------------------
+
+    def expected_tokens(self, k: int) -> float:
+        """E(k) = 1 + sum_{i<=k} prod_{j<=i} alpha_j."""
+        total, run = 1.0, 1.0
+        for j in range(k):
+            run *= self.alphas[j]
+            total += run
+        return total
+
+    def cycle_time(self, k: int) -> float:
+        """T(k) = draft_time(k) + verify_time(k + 1) from the measured costs (needs both measured)."""
+        draft = 0.0 if k == 0 else self.draft_cost.predict(k)
+        return max(draft + self.verify_cost.predict(k + 1), 1e-12)
+
+    def tokens_per_s(self) -> dict[int, float] | None:
+        """Estimated goodput per candidate k, or None while a cost has never been measured."""
+        if not (self.verify_cost.measured and (self.draft_cost.measured or self.choices == [0])):
+            return None
+        return {k: self.expected_tokens(k) / self.cycle_time(k) for k in self.choices}
+
+    def best_k(self) -> int | None:
+        rates = self.tokens_per_s()
+        return None if rates is None else max(rates, key=rates.__getitem__)
+
+    # -- chain ------------------------------------------------------------------------------
+
+    def choose_k(self) -> int:
+        self.decisions += 1
+        rates = self.tokens_per_s()
+        if rates is None:
+            k, reason = self.k_init, "init"
+        else:
+            k, reason = max(rates, key=rates.__getitem__), "best"
+            if self.decisions % self.probe_every == 0 and len(self.choices) > 1:
+                k, reason = self._neighbour(k), "probe"
+        self.log.append(
+            {
+                "cycle": self.decisions,
+                "kind": "chain",
+                "k": k,
+                "reason": reason,
+                "expected_tokens": self.expected_tokens(k),
+                "cycle_time": None if rates is None else self.cycle_time(k),
+                "tokens_per_s": rates,
+            }
+        )
+        return k
+
+    def _neighbour(self, k: int) -> int:
+        i = self.choices.index(k)
+        up = i + 1 < len(self.choices)
+        down = i > 0
+        go_up = up and (self._probe_up or not down)
+        self._probe_up = not self._probe_up
+        return self.choices[i + 1] if go_up else self.choices[i - 1]
+
+    def record_draft(self, k: int, seconds: float) -> None:
+        super().record_draft(k, seconds)
+        if k > 0:
+            self.draft_cost.record(k, seconds)
+
+    def record_verify(self, n_tokens: int, seconds: float) -> None:
+        super().record_verify(n_tokens, seconds)
+        self.verify_cost.record(n_tokens, seconds)
+
+    def _observe(self, k: int, counts: list[int]) -> None:
+        # Discount every position's evidence by the age of the cycle, not by the number of its own
+        # observations: deep positions are observed rarely once k shrank, and a per-observation EMA
+        # would keep their stale values for thousands of cycles after the traffic changed.
+        keep = 1.0 - self.alpha_ema
+        for j in range(len(self.alphas)):
+            self.alpha_hits[j] *= keep
+            self.alpha_tries[j] *= keep
+        # position j (1-based) was tried by rows with n >= j - 1 and accepted by rows with n >= j
+        for j in range(1, min(k, len(self.alphas)) + 1):
+            self.alpha_tries[j - 1] += sum(n >= j - 1 for n in counts)
+            self.alpha_hits[j - 1] += sum(n >= j for n in counts)
+        w = self.prior_weight
+        self.alphas = [(w * self.alpha_init + h) / (w + t) for h, t in zip(self.alpha_hits, self.alpha_tries)]
+
+    # -- trees ------------------------------------------------------------------------------
+
+    def choose_tree(self) -> Hashable:
+        """The tree configuration to use this cycle (explore each, then best goodput + probes)."""
+        if not self.tree_configs:
+            raise ValueError("DraftLengthTuner.choose_tree: no tree_configs were given")
+        self.tree_decisions += 1
+        rates = {c: self.tree_tokens[c] / max(self.tree_seconds[c], 1e-12) for c in self.tree_tokens}
+        fewest = min(self.tree_configs, key=self.tree_counts.__getitem__)
+        if self.tree_counts[fewest] < self.tree_min_trials:
+            config, reason = fewest, "explore"
+        else:
+            config, reason = max(self.tree_configs, key=rates.__getitem__), "best"
+            others = [c for c in self.tree_configs if c != config]
+            if others and self.tree_decisions % self.probe_every == 0:
+                config, reason = others[self._tree_probe % len(others)], "probe"
+                self._tree_probe += 1
+        self.log.append(
+            {
+                "cycle": self.tree_decisions,
+                "kind": "tree",
+                "config": config,
+                "reason": reason,
+                "expected_tokens": self.tree_tokens.get(config),
+                "cycle_time": self.tree_seconds.get(config),
+                "tokens_per_s": rates,
+            }
+        )
+        return config
+
+    def record_tree(self, config: Hashable, n_tokens: int, seconds: float) -> None:
+        """One tree cycle: tokens emitted (accepted + bonus, summed over rows) and its seconds."""
+        if config not in self.tree_counts:
+            raise ValueError(f"record_tree: unknown tree config {config!r}; known {self.tree_configs}")
+        if n_tokens < 1 or not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"record_tree: need n_tokens >= 1 and seconds > 0, got {n_tokens}, {seconds}")
+        self.tokens += n_tokens
+        self.seconds += seconds
+        c = self.tree_counts[config] + 1
+        w = max(self.tree_ema, 1.0 / c)
+        self.tree_tokens[config] = (1 - w) * self.tree_tokens.get(config, 0.0) + w * n_tokens
+        self.tree_seconds[config] = (1 - w) * self.tree_seconds.get(config, 0.0) + w * seconds
+        self.tree_counts[config] = c
+
+    # -- report -----------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        rates = self.tokens_per_s()
+        out = {
+            **super().summary(),
+            "best_k": self.best_k(),
+            "alphas": list(self.alphas),
+            "alpha_tries": list(self.alpha_tries),
+            "expected_tokens": {k: self.expected_tokens(k) for k in self.choices},
+            "cycle_time": None if rates is None else {k: self.cycle_time(k) for k in self.choices},
+            "tokens_per_s": rates,
+            "draft_seconds": dict(self.draft_cost.seconds),
+            "verify_seconds": dict(self.verify_cost.seconds),
+        }
+        if self.tree_configs:
+            out["tree"] = {
+                c: {
+                    "count": self.tree_counts[c],
+                    "tokens": self.tree_tokens.get(c),
+                    "seconds": self.tree_seconds.get(c),
+                }
+                for c in self.tree_configs
+            }
+        return out
