@@ -1,0 +1,93 @@
+"""Weight-only FP8 for inference: E4M3 weight + one scale per output channel.
+
+Halves weight memory and bandwidth against bf16, which is what decode (M = 1..64 tokens) is bound
+by. Layout and names follow compressed-tensors (the format of Meta's Maverick FP8 release):
+``weight`` float8_e4m3fn [out, in] and ``weight_scale`` float32 [out, 1], a DEquantisation
+multiplier (w ~ weight * weight_scale = amax_row / 448 per row), so such a checkpoint's linear
+keys load into this module unchanged.
+
+Forward backends:
+- ``"dequant"``: w = weight * weight_scale in the activation dtype, then F.linear; activations
+  stay high precision (weight-only proper). Used off CUDA.
+- ``"scaled_mm"``: activations quantised on the fly to E4M3 with one scale per token (dynamic,
+  like the release's ``input_activations: strategy token, dynamic true``), then a row-wise
+  ``torch._scaled_mm``; the tensor-core path on CUDA sm_89+ (W8A8, slightly less accurate).
+- ``"auto"``: ``scaled_mm`` on CUDA sm_89+, ``dequant`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from maverick.fp8_cast import dequantize, quantize_current
+from maverick.fp8_gemm import fp8_mm, scaled_mm_supported
+from maverick.fp8_recipe import E4M3
+
+_WO_BACKENDS = ("auto", "dequant", "scaled_mm")
+
+
+def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] -> (E4M3 [out, in], weight_scale float32 [out, 1] = amax_row / 448)."""
+    if weight.dim() != 2:
+        raise ValueError(
+            f"quantize_weight_per_channel: need a 2-D [out, in] weight, got {tuple(weight.shape)}"
+        )
+    return quantize_current(weight, E4M3, margin=0, dim=-1)
+
+
+class Float8WeightOnlyLinear(nn.Module):
+    """Inference linear with an FP8 E4M3 weight and per-output-channel scales (no gradients)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, backend: str = "auto", device=None
+    ):
+        super().__init__()
+        if backend not in _WO_BACKENDS:
+            raise ValueError(f"Float8WeightOnlyLinear.backend must be one of {_WO_BACKENDS}, got {backend!r}")
+        self.in_features, self.out_features, self.backend = in_features, out_features, backend
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=E4M3, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, 1, dtype=torch.float32, device=device))
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
+        )
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, backend: str = "auto") -> Float8WeightOnlyLinear:
+        """Quantise ``linear.weight`` per output channel; the bias (if any) is kept as is."""
+        w = linear.weight.detach()
+        new = cls(linear.in_features, linear.out_features, bias=False, backend=backend, device=w.device)
+        q, s = quantize_weight_per_channel(w)
+        new.weight.copy_(q)
+        new.weight_scale.copy_(s)
+        if linear.bias is not None:
+            new.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        return new
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[out, in] weight in ``dtype``."""
+        return dequantize(self.weight, self.weight_scale, dtype)
+
+    def _use_scaled_mm(self, device: torch.device) -> bool:
+        if self.backend == "auto":
+            return scaled_mm_supported(device)
+        return self.backend == "scaled_mm"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._use_scaled_mm(x.device):
+            x2d = x.reshape(-1, self.in_features)  # [M, K]
+            xq, xs = quantize_current(x2d, E4M3, margin=0, dim=-1)  # per-token: [M, K], [M, 1]
+            y = fp8_mm(xq, self.weight.t(), xs, self.weight_scale.t(), x.dtype, "scaled_mm")  # [M, N]
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        else:
+            y = F.linear(x, self.dequantized_weight(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, backend={self.backend}"
+        )
