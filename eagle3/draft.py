@@ -242,7 +242,7 @@ class Eagle3Draft(nn.Module):
         self,
         embeds: Tensor,
         hidden: Tensor,
-        positions: Tensor,
+        positions: Tensor | None,
         cache: KVCache | None = None,
         mask: Tensor | None = None,
         tree_mask: Tensor | None = None,
@@ -253,6 +253,8 @@ class Eagle3Draft(nn.Module):
         (training-time test); `tree_mask` [B or 1, T, T] restricts which new tokens see which.
         Returns the layer output h [B, T, H] (before `norm`); logits come from `logits(h)`."""
         T = hidden.shape[1]
+        if positions is None:  # continue from the cache's committed length
+            positions = cache.lengths[:, None] + torch.arange(T, device=hidden.device)
         cos, sin = self.rope(positions)
         kv_len = cache.kv_len(T) if cache is not None else T
         if mask is None:

@@ -10,7 +10,7 @@ then `advance(T)` moves the committed length. Speculative decoding then keeps wh
 
 Nothing here syncs with the host: lengths is a tensor. `bound` is a Python-side upper bound of
 max(lengths) that the attention uses to slice the cache to the part in use (on CPU that saves reading
-the whole preallocated cache every step); it only grows, except through `reset` or an explicit hint.
+the whole preallocated cache every step); `truncate` resets it from the new lengths.
 """
 
 from __future__ import annotations
@@ -76,8 +76,11 @@ class KVCache(nn.Module):
         """Roll back (or forward, within what was written) to the given committed lengths."""
         if isinstance(lengths, int):
             self.lengths.fill_(lengths)
+            self.bound = lengths
         else:
             self.lengths.copy_(lengths)
+            if self.slice_to_bound:  # one small host read; skipped in the fixed-shape (compiled) mode
+                self.bound = int(lengths.max())
 
     def compact(self, start: Tensor, keep_idx: Tensor, n_keep: Tensor) -> None:
         """Keep accepted tree nodes: slot start+keep_idx[b, j] -> start+j for j < n_keep[b].
@@ -93,7 +96,7 @@ class KVCache(nn.Module):
         for buf in (self.k, self.v):
             picked = buf[:, rows, :, src].clone()  # [B, A, layers, Hkv, D] (advanced dims first)
             buf[:, rows, :, dst] = picked
-        self.lengths.copy_(start + n_keep)
+        self.truncate(start + n_keep)
 
 
 def attention_mask(

@@ -279,7 +279,7 @@ class Llama4(nn.Module):
         """tokens [B, T]. positions [B, T] default: cache.lengths + arange(T) (or arange(T) without cache).
         tree_mask [B or 1, T, T]: which new tokens see which (default causal).
         feature_layers: return the hidden states entering these layers (index L = after the last layer,
-        before the final norm), concatenated on the last dim; the others are not kept.
+        before the final norm), concatenated on the last dim in the order given; the others are not kept.
         logits: "all", "last", None (skip the head), or an index tensor [B, n] of positions to score.
         """
         B, T = tokens.shape
@@ -297,13 +297,13 @@ class Llama4(nn.Module):
         ctx = _Ctx(positions, freqs.cos()[:, :, None], freqs.sin()[:, :, None], full, chunked, cache, kv_len)
 
         x = self.model.embed_tokens(tokens) if inputs_embeds is None else inputs_embeds
-        feats = []
+        feats: dict[int, Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             if i in feature_layers:
-                feats.append(x)
+                feats[i] = x
             x = layer(x, ctx)
         if cfg.num_hidden_layers in feature_layers:
-            feats.append(x)
+            feats[cfg.num_hidden_layers] = x
         if cache is not None:
             cache.advance(T)
         h = self.model.norm(x)
@@ -316,5 +316,5 @@ class Llama4(nn.Module):
             out_logits = self.lm_head(h[:, -1:])
         elif logits is not None:
             raise ValueError(f"logits must be 'all', 'last', None or an index tensor, got {logits!r}")
-        features = torch.cat(feats, dim=-1) if feats else None
+        features = torch.cat([feats[i] for i in feature_layers], dim=-1) if feature_layers else None
         return Output(out_logits, features, h)

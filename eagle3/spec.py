@@ -1,0 +1,416 @@
+"""Speculative decoding with an EAGLE-3 draft: chain (batched, per-row accepted lengths) and EAGLE-2
+dynamic trees (batch 1), greedy or lossless sampling, fixed or tuned draft length.
+
+One cycle, chain (B rows; row b has n_b committed tokens in the target cache and `last_b` waiting):
+  draft   d_1..d_k from the draft's state, one draft step per token (its own small KV cache);
+  verify  ONE target forward over [last, d_1..d_k] at positions n..n+k, returning logits and the
+          EAGLE-3 features of all k+1 positions;
+  accept  a_b tokens (greedy: longest prefix equal to the target argmax; sampling: min(1, p/q) with a
+          residual resample, eagle3/sampling.py) plus one correction / bonus token y_b;
+  commit  target cache -> n + a + 1 (rollback of the rejected tail); draft cache -> n, then the draft
+          catches up on pairs (target feature at n+j, token at n+j+1) for j = 0..a, the features of
+          what was accepted, which puts it where the next cycle starts.
+
+Trees (EAGLE-2): expand `depth` levels, each level the `top_k` best nodes (by cumulative draft log-prob)
+get `top_k` children; the best `total_tokens` nodes are verified in one target pass with a tree
+attention mask; the accepted path is compacted in the target cache. At temperature > 0 the tree is a
+full `top_k`-ary tree whose children are i.i.d. draft samples (no value-dependent pruning: that is what
+keeps multi-candidate rejection sampling lossless).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from eagle3.draft import Eagle3Draft
+from eagle3.sampling import (
+    SamplingParams,
+    logits_to_probs,
+    sample,
+    tree_attention_mask,
+    verify_chain_greedy,
+    verify_chain_sampling,
+    verify_tree_greedy,
+    verify_tree_sampling,
+)
+from eagle3.tuner import FixedK
+from maverick.generate import Generation, prefill
+from maverick.model import Llama4
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    depth: int = 5
+    top_k: int = 8
+    total_tokens: int = 48  # draft nodes verified per cycle (the root excluded)
+
+
+@dataclass
+class SpecStats:
+    cycles: int = 0
+    accepted: list[int] = field(default_factory=list)  # per cycle (row 0 for batches; see accepted_rows)
+    accepted_rows: list[list[int]] = field(default_factory=list)
+    draft_lengths: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Acceptance length: accepted draft tokens + 1 per cycle."""
+        acc = [a for row in self.accepted_rows for a in row] or self.accepted
+        return sum(a + 1 for a in acc) / max(len(acc), 1)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class SpecDecoder:
+    """Holds target + draft, both caches, and the decoding policy.
+
+    policy: an object with choose_k / record_draft / record_verify / record_acceptance (eagle3/tuner.py:
+    FixedK, HeuristicK, DraftLengthTuner). tree: a TreeConfig to draft trees instead of chains (batch 1).
+    compile_draft: torch.compile the one-token draft step (fixed shapes: it attends over the whole
+    preallocated draft cache, so changing k never recompiles).
+    """
+
+    def __init__(
+        self,
+        target: Llama4,
+        draft: Eagle3Draft,
+        max_len: int = 2048,
+        policy=None,
+        tree: TreeConfig | None = None,
+        compile_draft: bool = False,
+    ):
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(
+                f"draft vocab_size {draft.config.vocab_size} != target vocab_size {target.config.vocab_size}"
+            )
+        if draft.config.target_hidden_size != target.config.hidden_size:
+            raise ValueError(
+                f"draft target_hidden_size {draft.config.target_hidden_size} != target {target.config.hidden_size}"
+            )
+        self.target, self.draft = target, draft
+        self.embed = target.model.embed_tokens
+        self.feature_layers = tuple(draft.config.feature_layers)
+        self.max_len = max_len
+        self.policy = policy if policy is not None else FixedK(4)
+        self.tree = tree
+        self.compile_draft = compile_draft
+        self.d2t_ids = draft.draft_to_target_ids  # [V'] draft id -> target id
+        self._caches(1)
+        self._draft_step = self._draft_step_eager
+        if compile_draft:
+            self.dcache.slice_to_bound = False
+            self._draft_step = torch.compile(self._draft_step_eager, dynamic=False)
+
+    def _caches(self, B: int) -> None:
+        self.tcache = self.target.new_cache(B, self.max_len)
+        self.dcache = self.draft.new_cache(B, self.max_len)
+        if self.compile_draft:
+            self.dcache.slice_to_bound = False
+
+    # ---- draft pieces ----
+
+    def _draft_step_eager(self, tokens: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+        """One draft token per row: tokens [B], h [B, 1, H] -> (h' [B, 1, H], draft logits [B, V'])."""
+        pos = self.dcache.lengths[:, None].clone()  # a copy: the cache advances its lengths in place
+        h = self.draft(self.embed(tokens[:, None]), h, pos, cache=self.dcache)
+        return h, self.draft.logits(h)[:, 0]
+
+    def _catch_up(self, features: Tensor, next_tokens: Tensor, keep: Tensor) -> Tensor:
+        """Pairs (features[:, j], next_tokens[:, j]) from the draft cache's current length; keep[b] of them
+        per row are real. Returns the draft state after the last kept pair [B, 1, H]."""
+        start = self.dcache.lengths.clone()
+        h = self.draft(self.embed(next_tokens), self.draft.project(features), None, cache=self.dcache)
+        self.dcache.truncate(start + keep)
+        return h.gather(1, (keep - 1)[:, None, None].expand(-1, 1, h.shape[-1]))
+
+    def _draft_dist(self, logits_d: Tensor, sampling: SamplingParams | None) -> Tensor:
+        """Draft-vocab logits [.., V'] -> draft probs over the draft vocab (same processing as the target)."""
+        return logits_to_probs(logits_d.float(), sampling or SamplingParams())
+
+    def _to_full(self, q_d: Tensor) -> Tensor:
+        """Draft-vocab probs [.., V'] -> full-vocab probs [.., V] (zero outside the draft vocab)."""
+        full = q_d.new_zeros(*q_d.shape[:-1], self.target.config.vocab_size)
+        return full.index_copy_(-1, self.d2t_ids, q_d)
+
+    # ---- generation ----
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = 128,
+        sampling: SamplingParams | None = None,
+        stop_ids: Sequence[int] = (),
+        generator: torch.Generator | None = None,
+        on_cycle: Callable[[list[list[int]]], None] | None = None,
+    ) -> Generation:
+        """Decode; `on_cycle(tokens_per_row)` sees each cycle's emitted tokens (for streaming / highlighting)."""
+        B = len(prompts)
+        if self.tree is not None and B != 1:
+            raise ValueError("tree drafting runs one prompt at a time (batch size 1)")
+        greedy = sampling is None or sampling.greedy
+        if self.tcache.batch_size != B:
+            self._caches(B)
+        if max(len(p) for p in prompts) + max_new_tokens + self._max_draft() + 2 > self.max_len:
+            raise ValueError(f"prompt + {max_new_tokens} new tokens exceed max_len={self.max_len}")
+        dev = self.target.device
+        stats = SpecStats()
+        t0 = time.perf_counter()
+
+        # prefill: target over the prompts (with features), first token, then the draft catches up
+        logits, out = prefill(self.target, self.tcache, prompts, feature_layers=self.feature_layers)
+        probs = None if greedy else logits_to_probs(logits.float(), sampling)
+        last = logits.argmax(-1) if greedy else sample(probs, generator)  # [B]
+        lens = self.tcache.lengths.clone()
+        T = out.features.shape[1]
+        nxt = torch.zeros(B, T, dtype=torch.long, device=dev)
+        for b, p in enumerate(prompts):
+            nxt[b, : len(p) - 1] = torch.as_tensor(p[1:], device=dev)
+        nxt.scatter_(1, (lens - 1)[:, None], last[:, None])
+        self.dcache.reset()
+        h = self._catch_up(out.features, nxt, lens)
+        _sync(dev)
+        ttft = time.perf_counter() - t0
+        stats.prefill_seconds = ttft
+
+        outs = [[int(t)] for t in last.tolist()]
+        stop = set(stop_ids)
+        done = [o[-1] in stop for o in outs]
+        while not all(done) and min(len(o) for o in outs) < max_new_tokens:
+            if self.tree is not None:
+                emitted, h, last = self._tree_cycle(h, last, sampling, generator, stats)
+            else:
+                emitted, h, last = self._chain_cycle(h, last, sampling, generator, stats)
+            for b in range(B):
+                if done[b]:
+                    continue
+                for t in emitted[b]:
+                    if len(outs[b]) >= max_new_tokens:
+                        break
+                    outs[b].append(t)
+                    if t in stop:
+                        done[b] = True
+                        break
+            if on_cycle is not None:
+                on_cycle(emitted)
+        gen = Generation(outs, [len(p) for p in prompts], time.perf_counter() - t0, ttft)
+        gen.stats = {"spec": stats}
+        return gen
+
+    def _max_draft(self) -> int:
+        if self.tree is not None:
+            return self.tree.total_tokens + 1
+        return max(getattr(self.policy, "choices", [getattr(self.policy, "k", 8)]) + [8])
+
+    def _chain_cycle(self, h, last, sampling, generator, stats):
+        greedy = sampling is None or sampling.greedy
+        dev = last.device
+        k = int(self.policy.choose_k())
+        n = self.tcache.lengths.clone()
+        t0 = time.perf_counter()
+        # draft k tokens
+        logits_d = self.draft.logits(h)[:, 0]  # [B, V']
+        drafts, qs = [], []
+        for j in range(k):
+            if greedy:
+                d = self.d2t_ids[logits_d.argmax(-1)]
+            else:
+                q_d = self._draft_dist(logits_d, sampling)
+                d = self.d2t_ids[sample(q_d, generator)]
+                qs.append(self._to_full(q_d))
+            drafts.append(d)
+            if j + 1 < k:
+                h_step, logits_d = self._draft_step(d, h if j == 0 else h_step)
+        d_tokens = torch.stack(drafts, 1)  # [B, k]
+        _sync(dev)
+        t1 = time.perf_counter()
+        # verify all k+1 positions in one target pass
+        out = self.target(
+            torch.cat([last[:, None], d_tokens], 1), cache=self.tcache, feature_layers=self.feature_layers
+        )
+        if greedy:
+            acc, y = verify_chain_greedy(d_tokens, out.logits)
+        else:
+            p = logits_to_probs(out.logits.float(), sampling)
+            acc, y = verify_chain_sampling(d_tokens, torch.stack(qs, 1), p, generator)
+        self.tcache.truncate(n + acc + 1)
+        _sync(dev)
+        t2 = time.perf_counter()
+        # the draft drops its own steps and catches up on the accepted tokens' target features
+        self.dcache.truncate(n)
+        nxt = torch.cat([d_tokens, torch.zeros_like(last)[:, None]], 1).scatter_(1, acc[:, None], y[:, None])
+        h = self._catch_up(out.features, nxt, acc + 1)
+        _sync(dev)
+        t3 = time.perf_counter()
+
+        acc_l, y_l, d_l = acc.tolist(), y.tolist(), d_tokens.tolist()
+        emitted = [d_l[b][: acc_l[b]] + [y_l[b]] for b in range(len(acc_l))]
+        self.policy.record_draft(k, (t1 - t0) + (t3 - t2))
+        self.policy.record_verify(k + 1, t2 - t1)
+        self.policy.record_acceptance(k, acc_l if len(acc_l) > 1 else acc_l[0])
+        stats.cycles += 1
+        stats.accepted.append(acc_l[0])
+        stats.accepted_rows.append(acc_l)
+        stats.draft_lengths.append(k)
+        stats.draft_seconds += (t1 - t0) + (t3 - t2)
+        stats.verify_seconds += t2 - t1
+        return emitted, h, y
+
+    # ---- trees (batch 1) ----
+
+    def _expand_tree(self, h: Tensor, sampling, generator):
+        """Grow the draft tree from the draft state h [1, 1, H] (which predicts the root's children).
+
+        Returns parallel lists over nodes 1..: token ids, parent index (0 = root), cumulative log-prob,
+        depth, and per expanded node the full-vocab draft probs its children were drawn from."""
+        cfg = self.tree
+        greedy = sampling is None or sampling.greedy
+        n = int(self.dcache.lengths[0])
+        tokens, parents, scores, depths = [], [], [], []
+        child_q: dict[int, Tensor] = {}
+        frontier = [0]  # node ids to expand; node 0 = root
+        frontier_h = h  # [1, F, H] states predicting each frontier node's children
+        frontier_score = torch.zeros(1, device=h.device)
+        slots: dict[int, int] = {}  # node -> draft cache slot
+        anc: dict[int, list[int]] = {0: []}  # node -> ancestor nodes (excluding root) incl. itself
+        for depth in range(1, cfg.depth + 1):
+            logits_d = self.draft.logits(frontier_h)[0].float()  # [F, V']
+            if greedy:
+                logp = F.log_softmax(logits_d, -1)
+                top_lp, top_id = logp.topk(cfg.top_k, dim=-1)  # [F, k]
+            else:
+                q_d = self._draft_dist(logits_d, sampling)
+                top_id = sample(q_d.repeat_interleave(cfg.top_k, 0), generator).view(-1, cfg.top_k)
+                top_lp = q_d.gather(1, top_id).clamp_min(1e-30).log()
+                for i, node in enumerate(frontier):
+                    child_q[node] = self._to_full(q_d[i])
+            cand_score = (frontier_score[:, None] + top_lp).flatten()  # [F*k]
+            cand_tok = self.d2t_ids[top_id.flatten()]
+            cand_parent = [frontier[i // cfg.top_k] for i in range(len(frontier) * cfg.top_k)]
+            new_ids = []
+            for c in range(cand_score.shape[0]):
+                node = len(tokens) + 1
+                tokens.append(cand_tok[c])
+                parents.append(cand_parent[c])
+                scores.append(cand_score[c])
+                depths.append(depth)
+                anc[node] = anc[cand_parent[c]] + [node]
+                new_ids.append(node)
+            if depth == cfg.depth:
+                break
+            # next frontier: greedy keeps the top_k by cumulative score, sampling keeps every node
+            if greedy:
+                keep = cand_score.topk(min(cfg.top_k, cand_score.shape[0])).indices.tolist()
+            else:
+                keep = list(range(cand_score.shape[0]))
+            frontier = [new_ids[c] for c in keep]
+            frontier_score = cand_score[keep]
+            # one draft forward over the frontier: each sees the committed prefix and its own ancestors
+            start = int(self.dcache.lengths[0])
+            Fn = len(frontier)
+            for i, node in enumerate(frontier):
+                slots[node] = start + i
+            kv_len = self.dcache.kv_len(Fn)
+            mask = torch.zeros(1, 1, Fn, kv_len, dtype=torch.bool, device=h.device)
+            mask[..., :n] = True
+            for i, node in enumerate(frontier):
+                for a in anc[node]:
+                    mask[0, 0, i, slots[a]] = True
+            parent_h = self._node_states(frontier, parents, frontier_h_map := getattr(self, "_hmap", {}), h)
+            tok = torch.stack([tokens[node - 1] for node in frontier])[None]
+            pos = torch.full((1, Fn), n + depth - 1, device=h.device)
+            frontier_h = self.draft(self.embed(tok), parent_h, pos, cache=self.dcache, mask=mask)
+            for i, node in enumerate(frontier):
+                frontier_h_map[node] = frontier_h[:, i : i + 1]
+            self._hmap = frontier_h_map
+        self._hmap = {}
+        return tokens, parents, scores, depths, child_q
+
+    def _node_states(self, frontier, parents, hmap, root_h):
+        """The draft states that feed each frontier node: its parent's output (root: the catch-up state)."""
+        hs = [root_h if parents[node - 1] == 0 else hmap[parents[node - 1]] for node in frontier]
+        return torch.cat(hs, 1)
+
+    def _tree_cycle(self, h, last, sampling, generator, stats):
+        greedy = sampling is None or sampling.greedy
+        cfg = self.tree
+        dev = last.device
+        n = self.tcache.lengths.clone()
+        t0 = time.perf_counter()
+        tokens, parents, scores, depths, child_q = self._expand_tree(h, sampling, generator)
+        # choose the nodes to verify: greedy keeps the best total_tokens (ancestor-closed since a child never
+        # scores above its parent; ties are broken toward earlier, shallower nodes), sampling keeps them all
+        if greedy and len(tokens) > cfg.total_tokens:
+            sc = torch.stack(scores)
+            order = sorted(range(len(tokens)), key=lambda i: (-float(sc[i]), i))[: cfg.total_tokens]
+            keep = sorted(order)
+            keep_set = {i + 1 for i in keep}
+            for i in keep:  # guard ancestor closure against float ties
+                p = parents[i]
+                while p != 0 and p not in keep_set:
+                    keep_set.add(p)
+                    p = parents[p - 1]
+            keep = sorted(i - 1 for i in keep_set)
+        else:
+            keep = list(range(len(tokens)))
+        # renumber: root 0, kept nodes 1..N in creation order (parents always precede children)
+        new_id = {0: 0}
+        for j, i in enumerate(keep):
+            new_id[i + 1] = j + 1
+        tree_tokens = torch.stack([last[0]] + [tokens[i] for i in keep])
+        tree_parents = [-1] + [new_id[parents[i]] for i in keep]
+        tree_depth = torch.tensor([0] + [depths[i] for i in keep], device=dev)
+        self.dcache.truncate(n)
+        _sync(dev)
+        t1 = time.perf_counter()
+
+        mask = tree_attention_mask(tree_parents).to(dev)
+        out = self.target(
+            tree_tokens[None],
+            cache=self.tcache,
+            positions=(n + tree_depth)[None],
+            tree_mask=mask[None],
+            feature_layers=self.feature_layers,
+        )
+        if greedy:
+            path, y = verify_tree_greedy(tree_tokens, tree_parents, out.logits[0])
+        else:
+            p = logits_to_probs(out.logits[0].float(), sampling)
+            V = self.target.config.vocab_size
+            old_of_new = {v: k for k, v in new_id.items()}
+            q = torch.stack(
+                [child_q.get(old_of_new[i], torch.zeros(V, device=dev)) for i in range(len(tree_parents))]
+            )
+            path, y = verify_tree_sampling(tree_tokens, tree_parents, q, p, generator)
+        a = int(path.numel())
+        keep_idx = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), path])[None]
+        self.tcache.compact(n, keep_idx, torch.tensor([a + 1], device=dev))
+        _sync(dev)
+        t2 = time.perf_counter()
+        feats = out.features[:, keep_idx[0]]  # [1, a+1, nH]
+        nxt = torch.cat([tree_tokens[path], y.view(1)])[None]
+        h = self._catch_up(feats, nxt, torch.tensor([a + 1], device=dev))
+        _sync(dev)
+        t3 = time.perf_counter()
+        emitted = [tree_tokens[path].tolist() + [int(y)]]
+        if hasattr(self.policy, "record_tree") and getattr(self.policy, "tree_configs", None):
+            self.policy.record_tree(cfg, a + 1, t3 - t0)
+        stats.cycles += 1
+        stats.accepted.append(a)
+        stats.accepted_rows.append([a])
+        stats.draft_lengths.append(len(keep))
+        stats.draft_seconds += (t1 - t0) + (t3 - t2)
+        stats.verify_seconds += t2 - t1
+        return emitted, h, y.view(1)
