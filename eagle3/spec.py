@@ -223,6 +223,7 @@ class SpecDecoder:
         # draft k tokens
         logits_d = self.draft.logits(h)[:, 0]  # [B, V']
         drafts, qs = [], []
+        h_step = h
         for j in range(k):
             if greedy:
                 d = self.d2t_ids[logits_d.argmax(-1)]
@@ -232,7 +233,7 @@ class SpecDecoder:
                 qs.append(self._to_full(q_d))
             drafts.append(d)
             if j + 1 < k:
-                h_step, logits_d = self._draft_step(d, h if j == 0 else h_step)
+                h_step, logits_d = self._draft_step(d, h_step)
         d_tokens = torch.stack(drafts, 1)  # [B, k]
         _sync(dev)
         t1 = time.perf_counter()
