@@ -19,6 +19,16 @@ from train.online import OnlineDataset
 LAYERS = (1, 2, 3)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny shapes: one thread is fastest, and on shared busy cores a descheduled second thread stalls
+    every op."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def tiny_target(seed: int = 0, **overrides) -> Llama4:
     torch.manual_seed(seed)
     model = Llama4(get_config("tiny-dense", **overrides))

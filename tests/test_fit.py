@@ -1,0 +1,303 @@
+"""Draft training: the loss pieces against train/ttt.py, learning on a tiny target, bit-identical resume,
+2-process DDP (gloo) == 1 process, online == dumps, FP8, CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train.dump as dump
+from eagle3.draft import DraftConfig, Eagle3Draft, load_draft
+from maverick.checkpoint import save_hf
+from maverick.config import get_config
+from maverick.model import Llama4
+from train.dump import DumpDataset, DumpSettings, write_dumps
+from train.fit import (
+    FitConfig,
+    TTTObjective,
+    WarmupCosine,
+    collate,
+    epoch_batches,
+    step_counts,
+    train,
+    ttt_step_sums,
+)
+from train.online import OnlineDataset
+from train.ttt import TTTBatch, target_draft_logits, ttt_loss
+
+LAYERS = (1, 2, 3)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny shapes: one thread is fastest, and on shared busy cores a second OpenMP thread that gets
+    descheduled stalls every op (measured: 40x slower steps)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_target() -> Llama4:
+    model = Llama4(get_config("tiny-dense"))
+    model.init_weights(std=0.1, generator=torch.Generator().manual_seed(0))
+    with (
+        torch.no_grad()
+    ):  # a sharper head (tied embeddings) so the target's next-token distribution is peaked
+        model.model.embed_tokens.weight.mul_(8)
+    return model.eval()
+
+
+def tiny_samples(n: int, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        T = int(torch.randint(8, 33, (1,), generator=g))
+        mask = torch.zeros(T, dtype=torch.uint8)
+        mask[T // 4 :] = 1
+        out.append(
+            {"input_ids": torch.randint(0, 512, (T,), generator=g, dtype=torch.int32), "loss_mask": mask}
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A random tiny target saved as an HF directory, 16 samples dumped from it, a 256-token draft vocab."""
+    root = tmp_path_factory.mktemp("tiny")
+    model, samples = tiny_target(), tiny_samples(16)
+    save_hf(model, root / "target")
+    d2t, t2d, _ = dump.draft_vocab_from(samples, 512, 256)
+    data = {"source": "test", "split": "train", "num_samples": len(samples),
+            "fingerprint": dump.samples_fingerprint(samples)}  # fmt: skip
+    target = dump.target_identity(root / "target") | {"dtype": "fp32"}
+    settings = DumpSettings(target, LAYERS, "bf16", 32, 8, data)
+    write_dumps(model, samples, root / "dumps", settings, batch_tokens=1, vocab=(d2t, t2d), progress=False)
+    return {"root": root, "model": model, "samples": samples, "vocab": (d2t, t2d)}
+
+
+def run(tiny, out, data=None, callback=None, **kw):
+    m = tiny["model"]
+    defaults = dict(steps=10, batch_size=4, lr=3e-3, warmup=2, bf16=False, tracker="none", progress=False)
+    cfg = FitConfig(out=str(out), **(defaults | kw))
+    data = data if data is not None else DumpDataset(tiny["root"] / "dumps")
+    w = m.model.embed_tokens.weight.detach()
+    return train(cfg, data, tiny["vocab"], w, w, m.config, step_callback=callback)
+
+
+def records(out) -> list[dict]:
+    return [json.loads(x) for x in (Path(out) / "train_log.jsonl").read_text().splitlines()]
+
+
+def draft_weights(out) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(out) / "draft" / "model.safetensors"))
+
+
+def make_batch(seed=0):
+    target = get_config("tiny-dense")
+    cfg = DraftConfig.for_target(target, draft_vocab_size=128, feature_layers=LAYERS)
+    draft = Eagle3Draft(cfg)
+    draft.init_weights(std=0.2, generator=torch.Generator().manual_seed(seed))
+    d2t, t2d = dump.draft_vocab_from(tiny_samples(8, seed), 512, 128)[:2]
+    draft.set_vocab(d2t, t2d)
+    g = torch.Generator().manual_seed(seed)
+    B, T, H = 3, 14, 64
+    samples = []
+    for b in range(B):
+        L = T - 3 * b  # right padding in the batch
+        samples.append({
+            "input_ids": torch.randint(0, 512, (L,), generator=g), "loss_mask": (torch.rand(L, generator=g) > 0.3).to(torch.uint8),
+            "features": torch.randn(L, 3 * H, generator=g).bfloat16(), "hidden": torch.randn(L, H, generator=g).bfloat16(),
+        })  # fmt: skip
+    head = torch.randn(512, H, generator=g)
+    for s in samples:
+        s["target_argmax"] = (s["hidden"].float() @ head.T).argmax(-1).int()
+    emb = torch.nn.Embedding(512, H)
+    return draft, emb, samples, head
+
+
+def test_collate_equals_target_draft_logits():
+    draft, _, samples, head = make_batch()
+    b = collate(samples, head[draft.draft_to_target_ids], draft.t2d)
+    for i, s in enumerate(samples):
+        L = len(s["input_ids"])
+        logits, in_vocab = target_draft_logits(s["hidden"].float(), head, draft)
+        assert torch.allclose(b.target_logits[i, :L], logits, atol=1e-4)
+        assert torch.equal(b.target_in_vocab[i, :L], in_vocab)
+        assert (
+            not b.target_in_vocab[i, L:].any()
+            and not b.attention_valid[i, L:].any()
+            and b.attention_valid[i, :L].all()
+        )
+        assert not b.loss_mask[i, L:].any()
+    assert 0 < b.target_in_vocab.sum() < b.attention_valid.sum()  # some argmaxes fall outside the draft vocab
+
+
+def test_step_sums_normalised_locally_equal_ttt_loss():
+    draft, emb, samples, head = make_batch()
+    b = collate(samples, head[draft.draft_to_target_ids], draft.t2d)
+    loss, stats = ttt_loss(draft, emb, b, steps=5, decay=0.8)
+    ce, correct = ttt_step_sums(draft, emb, b, steps=5)
+    counts = step_counts(b, 5)
+    assert counts.tolist() == [int(c) for c in stats["count"]]
+    mine = sum(0.8**i * ce[i] / counts[i].clamp(min=1) for i in range(5))
+    assert torch.allclose(mine, loss, rtol=1e-5)
+    assert torch.allclose(correct / counts.clamp(min=1), torch.stack(stats["acc"]).float(), atol=1e-6)
+    # gradients agree too
+    g1 = torch.autograd.grad(loss, draft.fc.weight)[0]
+    g2 = torch.autograd.grad(mine, draft.fc.weight)[0]
+    assert torch.allclose(g1, g2, rtol=1e-4, atol=1e-5)  # |g| ~ 0.8, float reassociation ~ 5e-7
+    # a batch shorter than the unroll: the missing steps count 0 and contribute 0
+    short = TTTBatch(*(t[:, :4] if t.dim() == 2 else t[:, :4] for t in (b.input_ids, b.loss_mask, b.features,
+                     b.target_logits, b.target_in_vocab, b.attention_valid)))  # fmt: skip
+    ce, _ = TTTObjective(draft, emb.weight, 5)(*dataclasses.astuple(short))
+    assert ce.shape == (5,) and (ce[3:] == 0).all() and step_counts(short, 5)[2:].sum() == 0
+
+
+def test_epoch_batches_deterministic_and_grouped():
+    lengths = [int(x) for x in torch.randint(5, 500, (203,), generator=torch.Generator().manual_seed(0))]
+    a = epoch_batches(lengths, 8, seed=1, epoch=0)
+    assert a == epoch_batches(lengths, 8, seed=1, epoch=0)
+    assert a != epoch_batches(lengths, 8, seed=1, epoch=1) and a != epoch_batches(lengths, 8, seed=2, epoch=0)
+    flat = [i for b in a for i in b]
+    assert len(a) == 25 and all(len(b) == 8 for b in a) and len(set(flat)) == 200
+    pad = lambda bs: sum(len(b) * max(lengths[i] for i in b) - sum(lengths[i] for i in b) for b in bs)  # noqa: E731
+    assert pad(a) < 0.3 * pad(epoch_batches(lengths, 8, seed=1, epoch=0, group_by_length=False))
+
+
+def test_warmup_cosine():
+    f = WarmupCosine(warmup=4, total=24, min_ratio=0.1)
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert (
+        f(14) == pytest.approx(0.1 + 0.9 * 0.5)
+        and f(24) == pytest.approx(0.1)
+        and f(100) == pytest.approx(0.1)
+    )
+
+
+def test_loss_decreases_on_tiny_target(tiny, tmp_path):
+    summary = run(tiny, tmp_path, steps=60, warmup=5, lr=3e-3)
+    recs = records(tmp_path)
+    assert [r["step"] for r in recs] == list(range(1, 61)) and summary["step"] == 60
+    first, last = recs[0], recs[-1]
+    assert first["loss"] == pytest.approx(sum(0.8**i * math.log(256) for i in range(7)), rel=0.05)  # ~uniform
+    assert sum(r["loss"] for r in recs[-5:]) / 5 < 0.7 * first["loss"]
+    assert last["acc_i"][0] > first["acc_i"][0] + 0.3
+    assert (tmp_path / "curve.png").stat().st_size > 10_000
+    draft = load_draft(tmp_path / "draft")  # the EAGLE-3 format, loadable as released drafts are
+    assert torch.equal(draft.d2t, tiny["vocab"][0]) and draft.config.feature_layers == LAYERS
+
+
+class Crash(Exception):
+    pass
+
+
+def test_resume_is_bit_identical(tiny, tmp_path):
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    run(tiny, full, steps=10, checkpoint_every=5)
+
+    def crash_at_7(step, record):
+        if step == 7:
+            raise Crash
+
+    with pytest.raises(Crash):
+        run(tiny, cut, steps=10, checkpoint_every=5, callback=crash_at_7)
+    assert [p.name for p in (cut / "checkpoints").iterdir()] == ["step-0000005"] and not (
+        cut / "draft"
+    ).exists()
+    run(tiny, cut, steps=10, checkpoint_every=5, resume="auto")
+    a, b = draft_weights(full), draft_weights(cut)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ra, rb = records(full), records(cut)
+    assert [r["step"] for r in rb] == list(range(1, 11))  # steps 6-7 of the crashed run were dropped, redone
+    assert [r["loss"] for r in ra] == [r["loss"] for r in rb]
+    state = torch.load(cut / "checkpoints" / "step-0000010" / "training_state.pt", weights_only=True)
+    assert state["step"] == 10 and state["data"]["epoch"] == 2 and state["data"]["position"] == 2
+    with pytest.raises(ValueError, match="different settings"):
+        run(tiny, cut, steps=10, lr=1e-3, resume="auto")
+
+
+def test_grad_accumulation_equals_one_big_batch(tiny, tmp_path):
+    run(tiny, tmp_path / "a", steps=3, batch_size=4)
+    run(tiny, tmp_path / "b", steps=3, batch_size=2, grad_accum=2)
+    a, b = draft_weights(tmp_path / "a"), draft_weights(tmp_path / "b")
+    assert all(torch.allclose(a[k].float(), b[k].float(), atol=1e-6, rtol=0) for k in a)
+
+
+def test_online_equals_dumps(tiny, tmp_path):
+    online = OnlineDataset(tiny["model"], tiny["samples"], LAYERS, batch_tokens=1)
+    run(tiny, tmp_path / "dumps", steps=3)
+    run(tiny, tmp_path / "online", data=online, steps=3)
+    a, b = draft_weights(tmp_path / "dumps"), draft_weights(tmp_path / "online")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bf16_autocast_trains(tiny, tmp_path):
+    run(tiny, tmp_path, steps=20, bf16=True, warmup=2)
+    recs = records(tmp_path)
+    assert all(math.isfinite(r["loss"]) for r in recs) and recs[-1]["loss"] < 0.9 * recs[0]["loss"]
+    assert draft_weights(tmp_path)["fc.weight"].dtype == torch.float32  # fp32 master weights
+
+
+def test_fp8_flag(tiny, tmp_path):
+    fp8 = pytest.importorskip("maverick.fp8")
+    run(tiny, tmp_path, steps=4, fp8=True, checkpoint_every=2)
+    recs = records(tmp_path)
+    assert all(math.isfinite(r["loss"]) for r in recs)
+    draft = load_draft(tmp_path / "draft")  # saved without FP8 scaling buffers
+    assert not any(isinstance(m, fp8.Float8Linear) for m in draft.modules())
+    run(
+        tiny,
+        tmp_path,
+        steps=4,
+        fp8=True,
+        checkpoint_every=2,
+        resume=str(tmp_path / "checkpoints" / "step-0000002"),
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ddp_two_processes_equal_one(tiny, tmp_path):
+    """torchrun, 2 processes on gloo x 2 samples == 1 process x 4 samples (same global batch)."""
+    common = ["--dumps", str(tiny["root"] / "dumps"), "--steps", "3", "--precision", "fp32", "--lr", "1e-3",
+              "--warmup", "1", "--tracker", "none", "--no-progress", "--threads", "1"]  # fmt: skip
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    one = subprocess.run([sys.executable, "-m", "train.fit", "--out", str(tmp_path / "one"), "--batch-size", "4", *common],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(_free_port()), "-m", "train.fit", "--out", str(tmp_path / "two"), "--batch-size", "2", *common],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    summary = json.loads(two.stdout.strip().splitlines()[-1])
+    assert summary["processes"] == 2 and summary["step"] == 3
+    a, b = draft_weights(tmp_path / "one"), draft_weights(tmp_path / "two")
+    assert all(torch.allclose(a[k].float(), b[k].float(), atol=1e-6, rtol=0) for k in a)
+    ra, rb = records(tmp_path / "one"), records(tmp_path / "two")
+    assert [r["count_i"] for r in ra] == [r["count_i"] for r in rb]
+    assert [r["loss"] for r in ra] == pytest.approx([r["loss"] for r in rb], rel=1e-6)
+
+
+def test_cli_help():
+    r = subprocess.run(
+        [sys.executable, "-m", "train.fit", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert (
+        r.returncode == 0 and "--resume" in r.stdout and "--ttt-steps" in r.stdout and "--online" in r.stdout
+    )

@@ -1,0 +1,832 @@
+"""Train an EAGLE-3 draft head with the training-time test (TTT) on target hidden-state dumps or online.
+
+One step:
+  1. the global batch (`batch_size` samples x processes x `grad_accum`) comes from a seeded, length-
+     grouped order that depends only on (seed, epoch), so a resumed run reads exactly the batches an
+     uninterrupted one would, whatever the number of processes;
+  2. target logits over the draft vocab are rebuilt from the stored final hidden state and the target's
+     lm_head rows of the draft vocab (fp32); positions whose stored full-vocab argmax lies outside the
+     draft vocab are masked (as `train.ttt.target_draft_logits` defines them, without the 49152-wide head);
+  3. the draft is unrolled `ttt_steps` times (train/ttt.py); step i's soft cross-entropy is weighted
+     `decay**i`;
+  4. AdamW (0.9, 0.95), linear warmup + cosine, gradient clipping at 0.5.
+
+NOTE on the loss normaliser: each unroll step's loss is the sum over valid positions divided by the
+number of valid positions in the WHOLE global batch (all processes, all micro-batches), counted before
+the forward. `ttt_loss` divides by the local count instead, which makes the update depend on how the
+batch is split: two processes averaging their own means differ from one process over the union.
+With the global count, 1 process x 4 samples, 2 x 2 and 1 x 2 x (2 accumulation steps) give the same
+update (tests/test_fit.py checks it). `ttt_step_sums` reuses `ttt_unroll` and checks itself against
+`ttt_loss` in the tests.
+
+Runs on 1 CPU, 1 GPU or many processes through `accelerate` (`accelerate launch` or `torchrun`:
+DDP; FSDP via an accelerate config). The draft's embeddings are the target's, frozen and not saved.
+
+Outputs in --out: `train_log.jsonl` (a line per logged step), `checkpoints/step-NNNNNNN/` (the draft in
+the EAGLE-3 format + `training_state.pt` with optimizer, scheduler, step, RNG and data position,
+written to a temporary name and renamed), `draft/` (the final draft), `curve.png`, tracker logs.
+`--resume` continues from the latest checkpoint and ends bit-identical to an uninterrupted run.
+
+Shape legend: B batch, T tokens, H hidden, V target vocab, V' draft vocab, S unroll steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import Tensor, nn
+
+from eagle3.draft import DraftConfig, Eagle3Draft, save_draft
+from maverick.config import Llama4Config
+from train.ttt import TTTBatch, ttt_unroll
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "training_state.pt"
+LOG_FILE = "train_log.jsonl"
+# settings a resumed run must share with the run it continues (the rest may change: logging, stops)
+RESUME_KEYS = ("steps", "batch_size", "grad_accum", "lr", "warmup", "min_lr_ratio", "weight_decay",
+               "grad_clip", "ttt_steps", "decay", "seed", "bf16", "group_by_length", "max_length", "fp8")  # fmt: skip
+
+
+@dataclass
+class FitConfig:
+    out: str
+    dumps: str | None = None  # dump directory (train/dump.py); or online=True
+    online: bool = False
+    target: str | None = None  # .gguf / HF dir; default: the dumps' target
+    steps: int = 1000
+    batch_size: int = 4  # samples per process per micro-batch
+    grad_accum: int = 1
+    lr: float = 1e-4
+    warmup: int = 50
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    ttt_steps: int = 7
+    decay: float = 0.8
+    seed: int = 0
+    bf16: bool = True  # bf16 autocast (CPU and GPU); fp32 master weights
+    group_by_length: bool = True
+    max_length: int | None = None  # cut samples to this many tokens for training
+    checkpoint_every: int = 0  # 0: only at the end
+    keep_checkpoints: int = 2
+    log_every: int = 1
+    tracker: str = "wandb"  # none | tensorboard | wandb (offline)
+    resume: str | None = None  # "auto" (latest in out/checkpoints) or a checkpoint directory
+    stop_after: int | None = None  # stop (with a checkpoint) after this step, for time-boxed sessions
+    eval_dumps: str | None = None
+    eval_every: int = 0
+    fp8: bool = False
+    init_std: float = 0.02
+    progress: bool = True
+    # online mode (no dumps): data and target options as in train/dump.py
+    draft_vocab_size: int = 8192
+    target_dtype: str = "bf16"
+    online_args: dict | None = None
+
+    def resume_view(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in RESUME_KEYS}
+
+
+class TrainData(Protocol):
+    """What the loop needs from a data source (train.dump.DumpDataset, train.online.OnlineDataset)."""
+
+    lengths: list[int]
+    feature_layers: tuple[int, ...]
+
+    def __len__(self) -> int: ...
+
+    def fetch(self, indices: Sequence[int]) -> list[dict[str, Tensor]]: ...
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data order
+
+
+def epoch_batches(
+    lengths: Sequence[int], global_batch: int, seed: int, epoch: int, group_by_length: bool = True
+) -> list[list[int]]:
+    """The global batches of one epoch, a pure function of (lengths, global_batch, seed, epoch).
+
+    Samples are shuffled; with `group_by_length`, windows of 16 batches are sorted by length first
+    (less padding) and the batch order is shuffled again. The last incomplete batch is dropped.
+    """
+    n = len(lengths)
+    if n < global_batch:
+        raise ValueError(f"{n} samples cannot fill one global batch of {global_batch}")
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = torch.randperm(n, generator=g).tolist()
+    if group_by_length:
+        window = global_batch * 16
+        order = [
+            i for w in range(0, n, window) for i in sorted(order[w : w + window], key=lambda i: -lengths[i])
+        ]
+    batches = [order[b : b + global_batch] for b in range(0, n - global_batch + 1, global_batch)]
+    if group_by_length:
+        batches = [batches[j] for j in torch.randperm(len(batches), generator=g).tolist()]
+    return batches
+
+
+def data_fingerprint(lengths: Sequence[int]) -> str:
+    return hashlib.sha256(np.asarray(lengths, dtype=np.int64).tobytes()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Batches and the loss
+
+
+def collate(
+    samples: Sequence[dict[str, Tensor]], lm_rows: Tensor, t2d: Tensor, max_length: int | None = None
+) -> TTTBatch:
+    """Right-pad samples into a TTTBatch. lm_rows [V', H] fp32: the target's lm_head rows of the draft
+    vocab; target logits = hidden @ lm_rows.T (fp32), in-vocab = t2d[stored argmax]."""
+    lengths = [min(len(s["input_ids"]), max_length or 1 << 30) for s in samples]
+    B, T = len(samples), max(lengths)
+    F3 = samples[0]["features"].shape[-1]
+    ids = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.long)
+    valid = torch.zeros(B, T, dtype=torch.bool)
+    feats = torch.zeros(B, T, F3, dtype=samples[0]["features"].dtype)
+    hidden = torch.zeros(B, T, lm_rows.shape[1], dtype=torch.float32)
+    argmax = torch.zeros(B, T, dtype=torch.long)
+    for b, (s, L) in enumerate(zip(samples, lengths)):
+        ids[b, :L] = s["input_ids"][:L].long()
+        mask[b, :L] = s["loss_mask"][:L].long()
+        valid[b, :L] = True
+        feats[b, :L] = s["features"][:L]
+        hidden[b, :L] = s["hidden"][:L].float()
+        argmax[b, :L] = s["target_argmax"][:L].long()
+    dev = lm_rows.device
+    logits = hidden.to(dev) @ lm_rows.T  # [B, T, V']
+    in_vocab = t2d[argmax.to(dev)] & valid.to(dev)
+    return TTTBatch(ids.to(dev), mask.to(dev), feats.to(dev), logits, in_vocab, valid.to(dev))
+
+
+def step_counts(batch: TTTBatch, steps: int) -> Tensor:
+    """[S] valid positions per unroll step (as ttt_loss counts them), known before the forward."""
+    T = batch.input_ids.shape[1]
+    counts = torch.zeros(steps, dtype=torch.long, device=batch.input_ids.device)
+    for i in range(min(steps, T - 1)):
+        valid = batch.loss_mask[:, 2 + i :].bool() & batch.target_in_vocab[:, 1 + i : T - 1]
+        counts[i] = valid.sum()
+    return counts
+
+
+def ttt_step_sums(
+    draft: Eagle3Draft, embed: Callable[[Tensor], Tensor], batch: TTTBatch, steps: int
+) -> tuple[Tensor, Tensor]:
+    """Per unroll step: (sum of soft cross-entropies over valid positions [S], top-1 agreements [S]).
+    Same positions and targets as train.ttt.ttt_loss, left unnormalised (see the module NOTE)."""
+    target_p = F.softmax(batch.target_logits.float(), dim=-1)  # [B, T, V']
+    target_top = batch.target_logits.argmax(-1)  # [B, T]
+    T = target_top.shape[1]
+    ce_sums, correct = [], []
+    zero = batch.target_logits.new_zeros(())
+    for i, logits in ttt_unroll(draft, embed, batch.input_ids, batch.features, steps, batch.attention_valid):
+        n = T - 2 - i  # indices t < n have a token x_{t+2+i} to predict; slices instead of ttt_loss's pads
+        if n <= 0:
+            ce_sums.append(zero + 0 * logits.sum())  # keeps every parameter in the graph (DDP)
+            correct.append(zero)
+            continue
+        lg = logits[:, :n]  # [B, n, V']
+        valid = batch.loss_mask[:, 2 + i :].bool() & batch.target_in_vocab[:, 1 + i : T - 1]  # [B, n]
+        ce = -(target_p[:, 1 + i : 1 + i + n] * F.log_softmax(lg, dim=-1)).sum(-1)  # [B, n]
+        ce_sums.append((ce * valid).sum())
+        correct.append(((lg.argmax(-1) == target_top[:, 1 + i : 1 + i + n]) & valid).sum().detach().float())
+    while len(ce_sums) < steps:  # sequences shorter than the unroll
+        ce_sums.append(zero)
+        correct.append(zero)
+    return torch.stack(ce_sums), torch.stack(correct)
+
+
+class TTTObjective(nn.Module):
+    """The draft plus its frozen embeddings; forward = per-step sums. This is the module DDP/FSDP wrap,
+    so gradient synchronisation hooks on a real forward. The embedding table is a plain attribute, not
+    a parameter or buffer: it is never trained, broadcast or saved."""
+
+    def __init__(self, draft: Eagle3Draft, embed_weight: Tensor, steps: int):
+        super().__init__()
+        self.draft = draft
+        self.embed_weight = embed_weight
+        self.steps = steps
+
+    def embed(self, ids: Tensor) -> Tensor:
+        return F.embedding(ids, self.embed_weight)
+
+    def forward(self, input_ids, loss_mask, features, target_logits, target_in_vocab, attention_valid):
+        batch = TTTBatch(input_ids, loss_mask, features, target_logits, target_in_vocab, attention_valid)
+        return ttt_step_sums(self.draft, self.embed, batch, self.steps)
+
+
+class WarmupCosine:
+    """lr multiplier: linear warmup over `warmup` steps, then cosine down to `min_ratio` at `total`.
+    A callable object (not a lambda) so LambdaLR's state_dict carries its settings."""
+
+    def __init__(self, warmup: int, total: int, min_ratio: float):
+        self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        span = max(1, self.total - self.warmup)
+        progress = min(1.0, (step - self.warmup) / span)
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def _rng_state() -> dict[str, Any]:
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        # numpy's state as plain values + a tensor, so torch.load(weights_only=True) accepts it
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        },  # fmt: skip
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    v, keys, gauss = state["python"]
+    random.setstate((v, tuple(keys), gauss))
+    n = state["numpy"]
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"])
+    )
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def plain_draft_state(draft: nn.Module) -> dict[str, Tensor]:
+    """The draft's state in the released format: parameters + d2t/t2d, without FP8 scaling buffers."""
+    with torch.device("meta"):
+        keys = set(Eagle3Draft(draft.config).state_dict())
+    return {k: v for k, v in draft.state_dict().items() if k in keys}
+
+
+def save_draft_plain(draft: Eagle3Draft, path: Path, extra_files: dict[str, str] | None = None) -> None:
+    """save_draft of the draft's plain weights (an FP8-converted draft saves as a normal one)."""
+    sd = plain_draft_state(draft)
+    if len(sd) != len(draft.state_dict()):
+        with torch.device("meta"):
+            plain = Eagle3Draft(draft.config)
+        plain.load_state_dict({k: v.detach().cpu() for k, v in sd.items()}, strict=True, assign=True)
+        draft = plain
+    save_draft(draft, path, extra_files)
+
+
+def save_checkpoint(out: Path, step: int, draft: Eagle3Draft, state: dict[str, Any], keep: int) -> Path:
+    """checkpoints/step-NNNNNNN/{draft/, training_state.pt}: written under a temporary name, renamed."""
+    root = out / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:07d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".step-{step:07d}.tmp", dir=root))
+    try:
+        save_draft_plain(draft, tmp / "draft")
+        torch.save(state, tmp / STATE_FILE)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    done = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file())
+    for old in done[: max(0, len(done) - keep)]:
+        shutil.rmtree(old)
+    return final
+
+
+def find_checkpoint(out: Path, resume: str) -> Path | None:
+    """resume="auto": the latest complete checkpoint under out/checkpoints (None if there is none)."""
+    if resume != "auto":
+        p = Path(resume)
+        if not (p / STATE_FILE).is_file() or not (p / "draft" / "model.safetensors").is_file():
+            raise FileNotFoundError(f"{p}: not a checkpoint (needs {STATE_FILE} and draft/model.safetensors)")
+        return p
+    root = out / "checkpoints"
+    for tmp in root.glob(".step-*.tmp*"):  # left by a run killed while saving
+        shutil.rmtree(tmp, ignore_errors=True)
+    done = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file())
+    return done[-1] if done else None
+
+
+# ----------------------------------------------------------------------------------------------------
+# The target's frozen tensors
+
+
+def target_tensors(path: str | None, dtype: torch.dtype) -> tuple[Tensor, Tensor, Llama4Config]:
+    """(embedding [V, H], lm_head [V, H]) in fp32 after rounding to the target's `dtype` (what the
+    target computed with), and its config."""
+    from train.dump import load_target
+
+    model = load_target(path, torch.float32)
+    embed = model.model.embed_tokens.weight.detach().to(dtype).float()
+    head = embed if model.config.tie_word_embeddings else model.lm_head.weight.detach().to(dtype).float()
+    return embed, head, model.config
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training
+
+
+def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Keep the records of steps <= step (a resumed run logs the later ones again)."""
+    if not path.exists():
+        return
+    kept = [
+        line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step
+    ]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def _make_accelerator(cfg: FitConfig):
+    from accelerate import Accelerator
+
+    log_with = None if cfg.tracker == "none" else cfg.tracker
+    if cfg.tracker == "wandb":  # never touch the network
+        if os.environ.get("WANDB_MODE") != "disabled":
+            os.environ["WANDB_MODE"] = "offline"
+        os.environ.setdefault("WANDB_DIR", cfg.out)
+        os.environ.setdefault("WANDB_SILENT", "true")
+    elif cfg.tracker not in ("none", "tensorboard"):
+        raise ValueError(f"--tracker must be none, tensorboard or wandb, got {cfg.tracker!r}")
+    return Accelerator(
+        mixed_precision="bf16" if cfg.bf16 else "no",
+        log_with=log_with,
+        project_dir=cfg.out,
+        step_scheduler_with_optimizer=False,
+        # without a GPU, accelerate only recognises torchrun's processes as MULTI_CPU (gloo) with cpu=True
+        cpu=not torch.cuda.is_available(),
+    )
+
+
+def build_draft(
+    target_cfg: Llama4Config, d2t: Tensor, t2d: Tensor, feature_layers, cfg: FitConfig
+) -> Eagle3Draft:
+    dcfg = DraftConfig.for_target(
+        target_cfg, draft_vocab_size=int(d2t.numel()), feature_layers=feature_layers
+    )
+    draft = Eagle3Draft(dcfg)
+    draft.init_weights(std=cfg.init_std, generator=torch.Generator().manual_seed(cfg.seed))
+    draft.set_vocab(d2t, t2d)
+    if cfg.fp8:
+        from maverick.fp8 import Fp8Recipe, convert_to_fp8, default_fp8_filter
+
+        # lm_head stays high precision (its logits feed the softmax); the rest as the default filter says
+        convert_to_fp8(draft, Fp8Recipe(), lambda fqn, m: fqn != "lm_head" and default_fp8_filter(fqn, m))
+    return draft
+
+
+def train(
+    cfg: FitConfig,
+    data: TrainData,
+    vocab: tuple[Tensor, Tensor],
+    embed_weight: Tensor,
+    lm_head_weight: Tensor,
+    target_cfg: Llama4Config,
+    eval_data: TrainData | None = None,
+    step_callback: Callable[[int, dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """The training loop (see the module docstring). Returns the summary that the CLI prints.
+
+    `step_callback(step, record)` runs after every optimizer step (e.g. to watch progress; an exception
+    there stops the run like a crash would, without a checkpoint)."""
+    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    acc = _make_accelerator(cfg)
+    try:
+        return _train(
+            acc, cfg, data, vocab, embed_weight, lm_head_weight, target_cfg, eval_data, step_callback
+        )
+    finally:
+        acc.end_training()  # trackers, and the process group (gloo aborts at exit without it)
+        # accelerate keeps its state in process-wide singletons: drop them so that another train() in
+        # this process (tests, notebooks) may choose other settings
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+def _train(acc, cfg, data, vocab, embed_weight, lm_head_weight, target_cfg, eval_data, step_callback):
+    out = Path(cfg.out)
+    dev = acc.device
+    d2t, t2d = vocab
+    draft = build_draft(target_cfg, d2t, t2d, data.feature_layers, cfg)
+    objective = TTTObjective(draft, embed_weight.to(dev), cfg.ttt_steps).to(dev)
+    optimizer = torch.optim.AdamW(
+        draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, eps=1e-8
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, WarmupCosine(cfg.warmup, cfg.steps, cfg.min_lr_ratio)
+    )
+    lm_rows = lm_head_weight[draft.draft_to_target_ids.cpu()].float().to(dev)  # [V', H]
+    t2d_dev = draft.t2d.to(dev)
+
+    world, rank = acc.num_processes, acc.process_index
+    global_batch = cfg.batch_size * world * cfg.grad_accum
+    per_epoch = len(epoch_batches(data.lengths, global_batch, cfg.seed, 0, cfg.group_by_length))
+    fingerprint = data_fingerprint(data.lengths)
+    log_path = out / LOG_FILE
+
+    start = 0
+    ck = find_checkpoint(out, cfg.resume) if cfg.resume else None
+    if cfg.resume and ck is None:
+        acc.print(f"no checkpoint under {out / 'checkpoints'}; starting from step 0")
+    if ck is not None:
+        state = torch.load(ck / STATE_FILE, map_location="cpu", weights_only=True)
+        saved = state["config"]
+        diff = {k: (saved.get(k), v) for k, v in cfg.resume_view().items() if saved.get(k) != v}
+        if diff:
+            raise ValueError(f"{ck / STATE_FILE}: cannot resume with different settings (saved, now): {diff}")
+        if state["data"]["fingerprint"] != fingerprint or state["data"]["world_batch"] != global_batch:
+            raise ValueError(f"{ck / STATE_FILE}: the checkpoint was trained on other data or global batch")
+        sd = load_file(str(ck / "draft" / "model.safetensors"))
+        extra = state.get("fp8_buffers", {})
+        draft.load_state_dict({**sd, **extra}, strict=True)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        _set_rng_state(state["rng"])
+        start = int(state["step"])
+        acc.print(f"resumed from {ck} at step {start}")
+        if acc.is_main_process:
+            _truncate_log(log_path, start)
+    elif acc.is_main_process and log_path.exists():
+        log_path.unlink()
+
+    objective, optimizer = acc.prepare(objective, optimizer)
+    if cfg.tracker != "none":
+        acc.init_trackers("eagle3-draft", config={k: (v if isinstance(v, int | float | str | bool) else str(v))
+                                                  for k, v in dataclasses.asdict(cfg).items()})  # fmt: skip
+    fp8_sync = None
+    if cfg.fp8:
+        from maverick.fp8 import sync_float8_amax_and_scale_history as fp8_sync
+
+    def state_dict(step: int) -> dict[str, Any]:
+        fp8 = {k: v for k, v in draft.state_dict().items() if k not in plain_draft_state(draft)}
+        return {
+            "step": step,
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "rng": _rng_state(),
+            "data": {
+                "epoch": step // per_epoch,
+                "position": step % per_epoch,
+                "fingerprint": fingerprint,
+                "world_batch": global_batch,
+                "seed": cfg.seed,
+            },  # fmt: skip
+            "config": cfg.resume_view(),
+            "fp8_buffers": fp8,
+        }
+
+    def checkpoint(step: int) -> None:
+        if acc.is_main_process:
+            path = save_checkpoint(out, step, draft, state_dict(step), cfg.keep_checkpoints)
+            acc.print(f"checkpoint {path}")
+        acc.wait_for_everyone()
+
+    bar = None
+    if cfg.progress and acc.is_main_process:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start, desc="fit", dynamic_ncols=True)
+    batches, batches_epoch = None, -1
+    decay = torch.tensor([cfg.decay**i for i in range(cfg.ttt_steps)], device=dev)
+    records, tokens_seen, t_run = [], 0, time.perf_counter()
+    last = start
+    stop = min(cfg.steps, cfg.stop_after) if cfg.stop_after is not None else cfg.steps
+    for step in range(start, stop):
+        t0 = time.perf_counter()
+        epoch, pos = divmod(step, per_epoch)
+        if epoch != batches_epoch:
+            batches, batches_epoch = (
+                epoch_batches(data.lengths, global_batch, cfg.seed, epoch, cfg.group_by_length),
+                epoch,
+            )
+        gb = batches[pos]
+        micro = [
+            gb[(m * world + rank) * cfg.batch_size : (m * world + rank + 1) * cfg.batch_size]
+            for m in range(cfg.grad_accum)
+        ]
+        mbs = [collate(data.fetch(ix), lm_rows, t2d_dev, cfg.max_length) for ix in micro]
+        counts = acc.reduce(sum(step_counts(b, cfg.ttt_steps) for b in mbs), reduction="sum")  # [S] global
+        norm = decay / counts.clamp(min=1).float() * world  # DDP averages gradients over processes
+        sums = torch.zeros(2, cfg.ttt_steps, device=dev)
+        for m, b in enumerate(mbs):
+            args = (
+                b.input_ids,
+                b.loss_mask,
+                b.features,
+                b.target_logits,
+                b.target_in_vocab,
+                b.attention_valid,
+            )
+            if m < len(mbs) - 1:
+                with acc.no_sync(objective):
+                    ce, correct = objective(*args)
+                    acc.backward((ce * norm).sum())
+            else:
+                ce, correct = objective(*args)
+                acc.backward((ce * norm).sum())
+            sums += torch.stack((ce.detach().float(), correct))
+        grad_norm = acc.clip_grad_norm_(objective.parameters(), cfg.grad_clip)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if fp8_sync is not None:
+            fp8_sync(draft)
+        last = step + 1
+
+        n_tok = sum(int(b.attention_valid.sum()) for b in mbs)
+        sums = acc.reduce(sums, reduction="sum")
+        n_tok = int(acc.reduce(torch.tensor(n_tok, device=dev), reduction="sum"))
+        tokens_seen += n_tok
+        dt = time.perf_counter() - t0
+        c = counts.clamp(min=1).float()
+        loss_i, acc_i = (sums[0] / c).tolist(), (sums[1] / c).tolist()
+        record = {
+            "step": last,
+            "loss": float(sum(cfg.decay**i * v for i, v in enumerate(loss_i))),
+            "loss_i": [round(v, 5) for v in loss_i],
+            "acc_i": [round(v, 5) for v in acc_i],
+            "count_i": counts.tolist(),
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "tokens": n_tok,
+            "step_s": round(dt, 4),
+            "tokens_per_s": round(n_tok / dt, 1),
+            "epoch": epoch,
+        }
+        if eval_data is not None and cfg.eval_every and (last % cfg.eval_every == 0 or last == cfg.steps):
+            record |= evaluate(objective, eval_data, lm_rows, t2d_dev, cfg, acc)
+        if acc.is_main_process and (last % cfg.log_every == 0 or last == stop):
+            _append_jsonl(log_path, record)
+            records.append(record)
+            if cfg.tracker != "none":
+                flat = {"loss": record["loss"], "lr": lr, "grad_norm": record["grad_norm"],
+                        "tokens_per_s": record["tokens_per_s"]}  # fmt: skip
+                flat |= {f"loss_{i}": v for i, v in enumerate(loss_i)} | {
+                    f"acc_{i}": v for i, v in enumerate(acc_i)
+                }
+                acc.log(flat, step=last)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(
+                loss=f"{record['loss']:.3f}", acc0=f"{acc_i[0]:.3f}", tok_s=f"{record['tokens_per_s']:.0f}"
+            )
+        if step_callback is not None:
+            step_callback(last, record)
+        if cfg.checkpoint_every and last % cfg.checkpoint_every == 0 and last < stop:
+            checkpoint(last)
+    if bar is not None:
+        bar.close()
+    elapsed = time.perf_counter() - t_run
+    if last > start or ck is None:
+        checkpoint(last)
+    summary: dict[str, Any] = {
+        "out": str(out.resolve()),
+        "step": last,
+        "steps": cfg.steps,
+        "processes": world,
+    }
+    if acc.is_main_process:
+        all_records = (
+            [json.loads(x) for x in log_path.read_text().splitlines() if x.strip()]
+            if log_path.exists()
+            else []
+        )
+        final = all_records[-1] if all_records else {}
+        summary |= {
+            "loss": final.get("loss"),
+            "acc_i": final.get("acc_i"),
+            "tokens_per_s": round(tokens_seen / elapsed, 1) if elapsed > 0 else None,
+            "step_s": round(elapsed / max(1, last - start), 4),
+            "bf16": cfg.bf16,
+        }
+        if last >= cfg.steps:
+            save_draft_plain(
+                draft,
+                out / "draft",
+                {
+                    "training.json": json.dumps(
+                        {"config": dataclasses.asdict(cfg), "summary": summary}, indent=2
+                    )
+                },
+            )
+            summary["draft"] = str((out / "draft").resolve())
+        if all_records:
+            plot_curves(all_records, out / "curve.png")
+    acc.wait_for_everyone()
+    return summary
+
+
+@torch.no_grad()
+def evaluate(objective, data: TrainData, lm_rows: Tensor, t2d: Tensor, cfg: FitConfig, acc) -> dict[str, Any]:
+    """Per-step loss and top-1 agreement on held-out dumps (each process takes every world-th batch)."""
+    objective.eval()
+    S = cfg.ttt_steps
+    sums = torch.zeros(3, S, device=acc.device)
+    order = sorted(range(len(data)), key=lambda i: -data.lengths[i])
+    chunks = [order[i : i + cfg.batch_size] for i in range(0, len(order), cfg.batch_size)]
+    for ix in chunks[acc.process_index :: acc.num_processes]:
+        b = collate(data.fetch(ix), lm_rows, t2d, cfg.max_length)
+        with acc.autocast():
+            ce, correct = acc.unwrap_model(objective)(b.input_ids, b.loss_mask, b.features, b.target_logits,
+                                                      b.target_in_vocab, b.attention_valid)  # fmt: skip
+        sums += torch.stack((ce.float(), correct, step_counts(b, S).float()))
+    sums = acc.reduce(sums, reduction="sum")
+    objective.train()
+    c = sums[2].clamp(min=1)
+    loss_i, acc_i = (sums[0] / c).tolist(), (sums[1] / c).tolist()
+    return {
+        "eval_loss": float(sum(cfg.decay**i * v for i, v in enumerate(loss_i))),
+        "eval_loss_i": [round(v, 5) for v in loss_i],
+        "eval_acc_i": [round(v, 5) for v in acc_i],
+    }
+
+
+def plot_curves(records: Sequence[dict[str, Any]], path: Path) -> None:
+    """curve.png: loss and top-1 agreement per unroll step against the step (Agg, atomic write)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    S = len(records[0]["loss_i"])
+    fig, (ax_l, ax_a) = plt.subplots(1, 2, figsize=(11, 4))
+    for i in range(S):
+        ax_l.plot(steps, [r["loss_i"][i] for r in records], label=f"step {i}", lw=1)
+        ax_a.plot(steps, [r["acc_i"][i] for r in records], label=f"step {i}", lw=1)
+    if any("eval_acc_i" in r for r in records):
+        ev = [r for r in records if "eval_acc_i" in r]
+        ax_a.plot(
+            [r["step"] for r in ev], [r["eval_acc_i"][0] for r in ev], "k--o", ms=3, label="held-out step 0"
+        )
+    ax_l.set(xlabel="optimizer step", ylabel="soft cross-entropy", title="loss per unroll step")
+    ax_a.set(xlabel="optimizer step", ylabel="top-1 agreement", title="acc per unroll step", ylim=(0, 1))
+    ax_a.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.stem}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------------
+# CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from train.dump import TARGET_DTYPES, add_data_args
+
+    p = argparse.ArgumentParser(
+        prog="python -m train.fit",
+        description="Train an EAGLE-3 draft head with the training-time test on hidden-state dumps "
+        "(python -m train.dump) or online from the target. Multi-process: accelerate launch / torchrun.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--dumps", help="dump directory made by python -m train.dump")
+    src.add_argument("--online", action="store_true", help="run the target on the fly (data options below)")
+    p.add_argument("--out", required=True, help="output directory (log, checkpoints, draft, curve.png)")
+    p.add_argument("--target", default=None, help="target .gguf / HF dir (default: the one the dumps name)")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=4, help="samples per process per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup", type=int, default=50, help="linear warmup steps, then cosine")
+    p.add_argument("--min-lr-ratio", type=float, default=0.0)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--grad-clip", type=float, default=0.5)
+    p.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll steps")
+    p.add_argument("--decay", type=float, default=0.8, help="loss weight of unroll step i: decay**i")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="bf16 autocast or fp32")
+    p.add_argument("--no-group-by-length", action="store_true")
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--keep-checkpoints", type=int, default=2)
+    p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--tracker", choices=("none", "tensorboard", "wandb"), default="wandb",
+                   help="wandb runs offline (never the network)")  # fmt: skip
+    p.add_argument("--resume", nargs="?", const="auto", default=None,
+                   help="continue from the latest checkpoint in --out (or the given checkpoint directory)")  # fmt: skip
+    p.add_argument("--stop-after", type=int, default=None, help="stop after this step (checkpointed)")
+    p.add_argument("--eval-dumps", default=None, help="held-out dumps scored every --eval-every steps")
+    p.add_argument("--eval-every", type=int, default=0)
+    p.add_argument(
+        "--fp8", action="store_true", help="FP8 (maverick.fp8) for the draft's linears except lm_head"
+    )
+    p.add_argument("--init-std", type=float, default=0.02)
+    p.add_argument("--threads", type=int, default=None, help="torch threads per process (default torch's)")
+    p.add_argument("--no-progress", action="store_true")
+    g = p.add_argument_group("online mode")
+    g.add_argument("--draft-vocab-size", type=int, default=8192)
+    g.add_argument("--target-dtype", default="bf16", choices=sorted(TARGET_DTYPES))
+    add_data_args(p, max_length_default=None)  # --max-length: dumps are cut to it; online default 1024
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> FitConfig:
+    online_keys = ("data", "split", "max_samples", "max_conversations", "heldout_fraction", "split_seed",
+                   "cache_dir", "tokenizer")  # fmt: skip
+    return FitConfig(
+        out=args.out, dumps=args.dumps, online=args.online, target=args.target, steps=args.steps,
+        batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup,
+        min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+        ttt_steps=args.ttt_steps, decay=args.decay, seed=args.seed, bf16=args.precision == "bf16",
+        group_by_length=not args.no_group_by_length, max_length=args.max_length if args.dumps else None,
+        checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints, log_every=args.log_every,
+        tracker=args.tracker, resume=args.resume, stop_after=args.stop_after, eval_dumps=args.eval_dumps,
+        eval_every=args.eval_every, fp8=args.fp8, init_std=args.init_std, progress=not args.no_progress,
+        draft_vocab_size=args.draft_vocab_size, target_dtype=args.target_dtype,
+        online_args={k: getattr(args, k) for k in online_keys} | {"max_length": args.max_length or 1024} if args.online else None,
+    )  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    from train.dump import TARGET_DTYPES, DumpDataset, chat_samples, draft_vocab_from, read_manifest
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = config_from_args(args)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps({"config": dataclasses.asdict(cfg)}), flush=True)
+    eval_data = DumpDataset(cfg.eval_dumps) if cfg.eval_dumps else None
+    if cfg.dumps:
+        data = DumpDataset(cfg.dumps)
+        target = data.manifest["target"]
+        target_path = cfg.target or target.get("path")
+        dtype = TARGET_DTYPES.get(target.get("dtype", "fp32"), torch.float32)
+        embed, head, tcfg = target_tensors(target_path, dtype)
+        if cfg.target is None and "size" in target:
+            from train.dump import target_identity
+
+            if target_identity(target_path)["size"] != target["size"]:
+                raise ValueError(
+                    f"{target_path}: size differs from the one recorded in {cfg.dumps}/manifest.json"
+                )
+        vocab = data.vocab()
+    else:
+        from train.dump import default_target_path
+        from train.online import OnlineDataset
+
+        target_path = Path(cfg.target) if cfg.target else default_target_path()
+        ns = argparse.Namespace(**cfg.online_args)
+        samples, train_split, _ = chat_samples(
+            ns, ns.tokenizer or (str(target_path) if target_path.is_file() else None)
+        )
+        data = OnlineDataset.from_path(target_path, samples, TARGET_DTYPES[cfg.target_dtype])
+        embed, head, tcfg = data.embed_weight, data.lm_head_weight, data.model.config
+        d2t, t2d, _ = draft_vocab_from(train_split, tcfg.vocab_size, cfg.draft_vocab_size)
+        vocab = (d2t, t2d)
+    if eval_data is not None:
+        read_manifest(cfg.eval_dumps)
+    summary = train(cfg, data, vocab, embed, head, tcfg, eval_data=eval_data)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(summary), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
