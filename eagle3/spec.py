@@ -40,7 +40,7 @@ from eagle3.sampling import (
     verify_tree_sampling,
 )
 from eagle3.tuner import FixedK
-from maverick.generate import Generation, prefill
+from maverick.generate import Generation, decode_window, prefill
 from maverick.model import Llama4
 
 
@@ -170,6 +170,7 @@ class SpecDecoder:
         t0 = time.perf_counter()
 
         # prefill: target over the prompts (with features), first token, then the draft catches up
+        self.tcache.set_window(decode_window(prompts, max_new_tokens, self.max_len))
         logits, out = prefill(self.target, self.tcache, prompts, feature_layers=self.feature_layers)
         probs = None if greedy else logits_to_probs(logits.float(), sampling)
         last = logits.argmax(-1) if greedy else sample(probs, generator)  # [B]

@@ -68,6 +68,14 @@ def prefill(model: Llama4, cache: KVCache, prompts: Sequence[Sequence[int]], **k
     return out.logits[:, 0], out
 
 
+def decode_window(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_len: int) -> int:
+    """The fixed key window of one generation: prompt + new tokens + 64 slots for drafted tokens, rounded
+    up to 64. Plain and speculative decoding of the same request use the same window, which is what makes
+    their logits bit-identical (model.exact_attention)."""
+    need = max(len(p) for p in prompts) + max_new_tokens + 64
+    return min(max_len, -(-need // 64) * 64)
+
+
 class Decoder:
     """Holds a model, its static cache and the (optionally compiled) one-token step."""
 
@@ -100,6 +108,7 @@ class Decoder:
         if max(len(p) for p in prompts) + max_new_tokens > self.cache.max_len:
             raise ValueError(f"prompt + {max_new_tokens} new tokens exceed the cache ({self.cache.max_len})")
         t0 = time.perf_counter()
+        self.cache.set_window(decode_window(prompts, max_new_tokens, self.cache.max_len))
         logits, _ = prefill(self.model, self.cache, prompts)
         out = [[] for _ in range(B)]
         done = [False] * B

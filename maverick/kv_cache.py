@@ -40,6 +40,7 @@ class KVCache(nn.Module):
         self.max_len = max_len
         self.bound = 0
         self.slice_to_bound = True  # turn off under torch.compile to keep shapes fixed
+        self.window: int | None = None
 
     @property
     def batch_size(self) -> int:
@@ -49,13 +50,22 @@ class KVCache(nn.Module):
         self.lengths.zero_()
         self.bound = 0
 
+    def set_window(self, n: int | None) -> None:
+        """Fix the key window of short calls (decode, verify) to n slots for a whole generation, so every
+        token attends over the same number of keys however it is batched (see model.exact_attention)."""
+        self.window = None if n is None else min(n, self.max_len)
+
     def kv_len(self, n_new: int) -> int:
         """How many slots the attention of a call with n_new tokens must look at."""
-        if not self.slice_to_bound:
-            return self.max_len
         need = self.bound + n_new
         if need > self.max_len:
             raise RuntimeError(f"KV cache overflow: {need} slots needed, cache holds {self.max_len}")
+        if not self.slice_to_bound:
+            return self.max_len
+        if self.window is not None and n_new <= 64:
+            if need > self.window:
+                raise RuntimeError(f"KV window overflow: {need} slots needed, window is {self.window}")
+            return self.window
         return min(self.max_len, -(-need // 64) * 64)  # round up so shapes repeat
 
     def write(self, layer: int, k_new: Tensor, v_new: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:

@@ -103,8 +103,35 @@ class Attention(nn.Module):
         if ctx.cache is not None:
             k, v = ctx.cache.write(self.layer, k, v, ctx.kv_len)  # [B, Hkv, S, D]
         mask = ctx.chunk_mask if self.chunked else ctx.full_mask
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
+        if T <= EXACT_ATTENTION_MAX_T:
+            o = exact_attention(q, k, v, mask)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+
+# NOTE (bit-exact speculative decoding): greedy speculative decoding must emit exactly the tokens of
+# plain decoding, so a token's logits must not depend on how many tokens share its forward (1 when
+# decoding, k+1 when verifying, a tree's nodes). Measured on this CPU: bf16 nn.Linear (oneDNN) gives
+# the same row whatever the row count, but PyTorch's fused CPU attention kernel does not (a few rows in
+# a hundred differ in the last bit, enough to flip near-tied argmaxes), and an fp32 matmul changes its
+# summation order with the length of the reduced dimension. So calls with few new tokens use this plain
+# fp32 attention, over a key window of fixed length (KVCache.window), which is row-count invariant;
+# long prefills keep the fused kernel.
+EXACT_ATTENTION_MAX_T = 64
+
+
+def exact_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Softmax attention in fp32. q [B, Hq, T, D], k/v [B, Hkv, S, D], mask [B, 1, T, S] -> [B, Hq, T, D].
+    GQA: query head h reads kv head h // (Hq // Hkv)."""
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    q_f = q.float().reshape(B, Hkv, G * T, D)
+    scores = (q_f @ k.float().transpose(-1, -2)) * D**-0.5  # [B, Hkv, G*T, S]
+    scores = scores.view(B, Hkv, G, T, -1).masked_fill(~mask[:, :, None], float("-inf")).softmax(-1)
+    o = scores.view(B, Hkv, G * T, -1) @ v.float()  # [B, Hkv, G*T, D]
+    return o.view(B, Hq, T, D).to(q.dtype)
 
 
 class MLP(nn.Module):

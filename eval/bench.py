@@ -1,0 +1,264 @@
+"""The main job: speed and quality of every decoding method, side by side, in one run.
+
+    python -m eval.bench                       # MT-bench, SmolLM2-135M-Instruct + the shipped draft
+    python -m eval.bench --bench humaneval --n 20 --methods ours-plain,eagle3-tuned
+
+Methods run alternately prompt by prompt (the order rotates each prompt) so machine drift cancels out;
+each answers both turns of a prompt, the second conditioned on its own first answer. Every method of
+ours must produce exactly the tokens of our plain greedy decoding (a mismatch is printed in red and makes
+the exit status 1); HF's methods are a different implementation, so their differences are shown only.
+
+Output: the config first, a progress bar, then the table; report.json (all records), report.md and plots
+in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from eagle3.draft import load_draft
+from eagle3.sampling import SamplingParams
+from eagle3.spec import SpecDecoder, TreeConfig
+from eagle3.tuner import DraftLengthTuner, FixedK
+from eval.prompts import load_benchmark
+from eval.report import RunRecord, print_table, summarise, write_report
+from maverick.generate import Decoder
+from maverick.gguf_model import load_gguf_model
+from maverick.tokenizer import default_gguf_path, encode_chat, load_tokenizer
+
+DEFAULT_DRAFT = Path(__file__).resolve().parent.parent / "eagle3" / "drafts" / "smollm2-135m-instruct"
+ALL_METHODS = [
+    "hf-generate",
+    "hf-prompt-lookup",
+    "ours-plain",
+    "eagle3-k3",
+    "eagle3-k5",
+    "eagle3-tuned",
+    "eagle3-tree",
+]
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def rss_mb() -> float:
+    """Resident memory of this process now (CPU); on CUDA the allocator's peak."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+class _FirstToken:
+    """An HF streamer that timestamps the first generated token (HF first `put`s the prompt)."""
+
+    def __init__(self):
+        self.calls, self.t = 0, None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2 and self.t is None:
+            self.t = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+class Runner:
+    """One object per method: `run(prompt_ids, max_new_tokens) -> (ids, stats)`."""
+
+    def __init__(self, name, args, target, draft, hf, eos):
+        self.name, self.eos, self.hf = name, eos, hf
+        self.sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+        max_len = args.max_prompt_tokens * 2 + args.max_new_tokens * 2 + 128
+        if name == "ours-plain":
+            self.dec = Decoder(target, max_len=max_len)
+        elif name.startswith("eagle3"):
+            if draft is None:
+                raise ValueError(f"method {name} needs a draft (--draft)")
+            policy, tree = None, None
+            if name == "eagle3-tuned":
+                policy = DraftLengthTuner(choices=range(1, 9))
+            elif name == "eagle3-tree":
+                tree = TreeConfig(args.tree_depth, args.tree_top_k, args.tree_tokens)
+            else:
+                policy = FixedK(int(name.removeprefix("eagle3-k")))
+            self.dec = SpecDecoder(target, draft, max_len=max_len, policy=policy, tree=tree,
+                                   compile_draft=args.compile_draft)  # fmt: skip
+        elif not name.startswith("hf-"):
+            raise ValueError(f"unknown method {name!r}; known: {', '.join(ALL_METHODS)}")
+
+    @torch.no_grad()
+    def run(self, ids: list[int], max_new_tokens: int, generator: torch.Generator) -> tuple[list[int], dict]:
+        if self.name.startswith("hf-"):
+            return self._run_hf(ids, max_new_tokens)
+        if self.name == "ours-plain":
+            g = self.dec.generate([ids], max_new_tokens, self.sampling, self.eos, generator)
+            return g.tokens[0], {"seconds": g.seconds, "ttft": g.ttft}
+        g = self.dec.generate([ids], max_new_tokens, self.sampling, self.eos, generator)
+        s = g.stats["spec"]
+        stats = {"seconds": g.seconds, "ttft": g.ttft, "cycles": s.cycles, "accepted": s.accepted}
+        stats |= {"draft_lengths": s.draft_lengths, "draft_seconds": s.draft_seconds}
+        stats["verify_seconds"] = s.verify_seconds
+        return g.tokens[0], stats
+
+    def _run_hf(self, ids, max_new_tokens):
+        x = torch.tensor([ids])
+        kw = dict(max_new_tokens=max_new_tokens, eos_token_id=self.eos, pad_token_id=self.eos[0])
+        if self.sampling.greedy:
+            kw["do_sample"] = False
+        else:
+            kw |= dict(
+                do_sample=True, temperature=self.sampling.temperature, top_k=self.sampling.top_k or None
+            )
+            kw["top_p"] = self.sampling.top_p
+        if self.name == "hf-prompt-lookup":
+            kw["prompt_lookup_num_tokens"] = 10
+        streamer = _FirstToken()
+        t0 = time.perf_counter()
+        out = self.hf.generate(x, streamer=streamer, **kw)
+        dt = time.perf_counter() - t0
+        new = out[0, len(ids) :].tolist()
+        return new, {"seconds": dt, "ttft": (streamer.t or time.perf_counter()) - t0}
+
+
+def build_prompts(tok, prompt: dict, turn: int, answers: list[str]) -> list[int]:
+    msgs = [{"role": "system", "content": prompt["system"]}] if prompt.get("system") else []
+    for i in range(turn + 1):
+        msgs.append({"role": "user", "content": prompt["turns"][i]})
+        if i < turn:
+            msgs.append({"role": "assistant", "content": answers[i]})
+    return encode_chat(tok, msgs)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bench", default="mtbench", help="mtbench | humaneval | sharegpt-heldout | jsonl")
+    ap.add_argument("--prompts", default=None, help="JSONL of prompts for --bench jsonl")
+    ap.add_argument("--n", type=int, default=10, help="number of prompts (default 10)")
+    ap.add_argument("--turns", type=int, default=2, help="turns per prompt (MT-bench has 2)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
+    ap.add_argument("--methods", default=",".join(ALL_METHODS))
+    ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gguf", default=None, help="target GGUF (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--draft", default=str(DEFAULT_DRAFT), help="EAGLE-3 draft directory")
+    ap.add_argument("--tree-depth", type=int, default=5)
+    ap.add_argument("--tree-top-k", type=int, default=6)
+    ap.add_argument("--tree-tokens", type=int, default=24)
+    ap.add_argument("--compile-draft", action="store_true")
+    ap.add_argument("--fp8", choices=["none", "target", "draft", "both"], default="none",
+                    help="FP8 weight-only layers (emulated on CPU) for the target and/or the draft")  # fmt: skip
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=None, help="report directory (default results/bench-<time>)")
+    args = ap.parse_args(argv)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    dtype = DTYPES[args.dtype]
+    gguf = args.gguf or str(default_gguf_path())
+    out_dir = Path(args.out or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    config = {k: v for k, v in vars(args).items()} | {"methods": methods, "gguf": gguf}
+    config |= {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": "cpu"}
+    print(json.dumps(config), flush=True)
+
+    tok = load_tokenizer(gguf)
+    target = load_gguf_model(gguf, dtype=dtype)
+    eos = target.config.eos_ids
+    draft = None
+    if any(m.startswith("eagle3") for m in methods):
+        draft = load_draft(args.draft, dtype=dtype)
+    hf = None
+    if any(m.startswith("hf-") for m in methods):
+        from transformers import LlamaForCausalLM
+
+        p = Path(gguf)
+        hf = (
+            LlamaForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).to(dtype).eval()
+        )
+    if args.fp8 != "none":
+        from maverick.fp8 import convert_to_fp8_weight_only
+
+        if args.fp8 in ("target", "both"):
+            convert_to_fp8_weight_only(target)
+        if args.fp8 in ("draft", "both") and draft is not None:
+            convert_to_fp8_weight_only(draft)
+    runners = {m: Runner(m, args, target, draft, hf, eos) for m in methods}
+
+    prompts = load_benchmark(args.bench, n=args.n, path=args.prompts)
+    gen = torch.Generator().manual_seed(args.seed)
+    # warm-up: one short generation per method (allocations, lazy init, compile)
+    warm = encode_chat(tok, [{"role": "user", "content": "Say hello."}])
+    for r in runners.values():
+        r.run(warm, 8, gen)
+
+    records: list[RunRecord] = []
+    bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", file=sys.stderr)
+    for i, prompt in enumerate(prompts):
+        order = methods[i % len(methods) :] + methods[: i % len(methods)]
+        for m in order:
+            answers: list[str] = []
+            for turn in range(min(args.turns, len(prompt["turns"]))):
+                ids = build_prompts(tok, prompt, turn, answers)[-args.max_prompt_tokens :]
+                new, st = runners[m].run(ids, args.max_new_tokens, gen)
+                answers.append(tok.decode([t for t in new if t not in eos], skip_special_tokens=True))
+                records.append(
+                    RunRecord(
+                        method=m,
+                        prompt_id=str(prompt["id"]),
+                        turn=turn,
+                        new_tokens=len(new),
+                        seconds=st["seconds"],
+                        ttft=st["ttft"],
+                        cycles=st.get("cycles", 0),
+                        accepted=st.get("accepted", []),
+                        draft_lengths=st.get("draft_lengths", []),
+                        draft_seconds=st.get("draft_seconds", 0.0),
+                        verify_seconds=st.get("verify_seconds", 0.0),
+                        peak_memory_mb=rss_mb(),
+                        output_ids=new,
+                        dtype=args.dtype,
+                    )
+                )
+            bar.update(1)
+    bar.close()
+
+    summaries = summarise(records, baseline="ours-plain", hf_baseline="hf-generate")
+    for m, r in runners.items():
+        if m == "eagle3-tuned":
+            config["tuner"] = _jsonable(r.dec.policy.summary())
+    paths = write_report(records, summaries, config, out_dir)
+    print(f"\ntarget {Path(gguf).name}, dtype {args.dtype}, {len(prompts)} prompts x {args.turns} turns, "
+          f"max_new_tokens {args.max_new_tokens}, temperature {args.temperature}")  # fmt: skip
+    ok = print_table(summaries)
+    print(f"report: {paths['json']}  {paths['markdown']}")
+    print(json.dumps({s.method: {"tok_s": round(s.tokens_per_s, 2), "tau": s.tau} for s in summaries}))
+    return 0 if ok else 1
+
+
+def _jsonable(x):
+    return json.loads(
+        json.dumps(x, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
+    )
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Regenerate the assistant turns of chat data with the target itself (as EAGLE-3 does).
+
+A draft learns to predict the target; trained on text the target wrote (greedy here, the decoding the
+benchmarks use), it sees the contexts it will meet when serving. The user turns come from the data
+(ShareGPT by default); each assistant turn is replaced by the target's own answer to the conversation so
+far, turn by turn, in batches (prompts of one batch may differ in length: see maverick/generate.py).
+
+    python -m train.regenerate --out runs/regen/sharegpt.jsonl --max-samples 2000 --turns 2
+
+Output: JSONL of {"id", "messages"} (OpenAI form; `train.data.load_chats` reads it). Resumable: the file
+is appended batch by batch, a cut-off last line is dropped on restart, and ids already present are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from maverick.generate import Decoder
+from maverick.gguf_model import load_gguf_model
+from maverick.tokenizer import encode_chat, load_tokenizer
+from train.data import DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED, is_heldout, load_chats, load_sharegpt
+
+
+def _read_done(path: Path) -> set[str]:
+    """Ids already written; a partial last line (an interrupted write) is cut off first."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    keep = data[: data.rfind(b"\n") + 1]
+    if len(keep) != len(data):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(keep)
+        os.replace(tmp, path)
+    return {json.loads(line)["id"] for line in keep.decode().splitlines() if line.strip()}
+
+
+def user_turns(conv: dict, turns: int, max_user_chars: int) -> list[str]:
+    users = [m["content"][:max_user_chars] for m in conv["messages"] if m["role"] == "user"]
+    return users[:turns]
+
+
+def regenerate(
+    conversations: list[dict],
+    out: Path,
+    turns: int = 2,
+    max_new_tokens: int = 384,
+    max_prompt_tokens: int = 768,
+    batch_size: int = 32,
+    dtype: torch.dtype = torch.bfloat16,
+    gguf: str | None = None,
+    max_user_chars: int = 2000,
+) -> dict:
+    model = load_gguf_model(gguf, dtype=dtype)
+    tok = load_tokenizer(gguf)
+    eos = model.config.eos_ids
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = _read_done(out)
+    todo = [c for c in conversations if c["id"] not in done and user_turns(c, turns, max_user_chars)]
+    # sort by first-turn length so a batch holds similar lengths (less padding in the prefill)
+    todo.sort(key=lambda c: len(user_turns(c, 1, max_user_chars)[0]))
+    dec = Decoder(model, max_len=max_prompt_tokens + max_new_tokens + 8, batch_size=batch_size)
+    n_tokens, t0 = 0, time.perf_counter()
+    bar = tqdm(total=len(todo), desc="regenerate", unit="conv")
+    for i in range(0, len(todo), batch_size):
+        batch = todo[i : i + batch_size]
+        msgs = [[] for _ in batch]
+        live = list(range(len(batch)))
+        for turn in range(turns):
+            live = [j for j in live if len(user_turns(batch[j], turns, max_user_chars)) > turn]
+            prompts = []
+            for j in live:
+                msgs[j].append({"role": "user", "content": user_turns(batch[j], turns, max_user_chars)[turn]})
+                prompts.append(encode_chat(tok, msgs[j]))
+            keep = [k for k, p in enumerate(prompts) if len(p) <= max_prompt_tokens]
+            for k, j in enumerate(live):
+                if k not in keep:
+                    msgs[j].pop()
+            live, prompts = [live[k] for k in keep], [prompts[k] for k in keep]
+            if not live:
+                break
+            gen = dec.generate(prompts, max_new_tokens, stop_ids=eos)
+            for j, ids in zip(live, gen.tokens):
+                n_tokens += len(ids)
+                msgs[j].append({"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)})
+            # a turn cut at max_new_tokens ends the conversation there
+            live = [j for j, ids in zip(live, gen.tokens) if ids and ids[-1] in eos]
+        with out.open("a") as f:
+            for c, m in zip(batch, msgs):
+                if any(x["role"] == "assistant" for x in m):
+                    f.write(json.dumps({"id": c["id"], "messages": m}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        bar.update(len(batch))
+        bar.set_postfix(tok_s=f"{n_tokens / (time.perf_counter() - t0):.0f}")
+    bar.close()
+    return {"conversations": len(todo), "new_tokens": n_tokens, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--data", default=None, help="JSON/JSONL chats (default: ShareGPT from its wheel)")
+    ap.add_argument("--max-samples", type=int, default=2000)
+    ap.add_argument("--turns", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=384)
+    ap.add_argument("--max-prompt-tokens", type=int, default=768)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--gguf", default=None)
+    ap.add_argument("--seed", type=int, default=0, help="which conversations are taken (train split only)")
+    args = ap.parse_args(argv)
+    if args.data:
+        convs = load_chats(args.data)
+    else:
+        convs, report = load_sharegpt()
+        print(report.summary())
+    convs = [c for c in convs if not is_heldout(c["id"], DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED)]
+    g = torch.Generator().manual_seed(args.seed)
+    order = torch.randperm(len(convs), generator=g).tolist()
+    convs = [convs[i] for i in order[: args.max_samples]]
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    stats = regenerate(
+        convs,
+        args.out,
+        args.turns,
+        args.max_new_tokens,
+        args.max_prompt_tokens,
+        args.batch_size,
+        dtype,
+        args.gguf,
+    )
+    print(json.dumps(stats))
+
+
+if __name__ == "__main__":
+    main()
