@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterable
@@ -93,7 +94,36 @@ def read_state_dict(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], i
             raise CheckpointError(f"{f}: cannot read safetensors file ({e})") from e
     if skipped:
         log.info("skipped %d vision keys in %s", skipped, path)
-    return out, skipped
+    return _fuse_fp8_experts(out, str(path)), skipped
+
+
+_FP8_EXPERT = re.compile(r"^(model\.layers\.\d+\.feed_forward)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _fuse_fp8_experts(sd: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """Meta's FP8 release keeps routed experts per expert in FP8 with per-channel scales (compressed-
+    tensors). Fuse each such layer into our layout, kept in FP8: `experts.gate_up_proj` [E, H, 2I]
+    float8 + `experts.gate_up_scale` [E, 2I], `experts.down_proj` [E, I, H] + `experts.down_scale`."""
+    from maverick.fp8_experts import fuse_compressed_tensors_experts
+
+    layers: dict[str, set[int]] = {}
+    for k in sd:
+        m = _FP8_EXPERT.match(k)
+        if m:
+            layers.setdefault(m.group(1), set()).add(int(m.group(2)))
+    for prefix, experts in layers.items():
+        try:
+            fused = fuse_compressed_tensors_experts(sd, prefix, max(experts) + 1)
+        except (KeyError, ValueError) as e:
+            raise CheckpointError(f"{source}: {e}") from None
+        for k in [k for k in sd if k.startswith(prefix + ".experts.")]:
+            del sd[k]
+        sd[prefix + ".experts.gate_up_proj"], sd[prefix + ".experts.gate_up_scale"] = (
+            fused.gate_up,
+            fused.gate_up_scale,
+        )
+        sd[prefix + ".experts.down_proj"], sd[prefix + ".experts.down_scale"] = fused.down, fused.down_scale
+    return sd
 
 
 def build_model(
@@ -106,6 +136,7 @@ def build_model(
     """Build on meta, check every key and shape, assign. `source` names the file in errors."""
     with torch.device("meta"):
         model = Llama4(cfg)
+        _use_fp8_experts_where_stored(model, state_dict, dtype)
     expected = dict(model.state_dict())
     tied = cfg.tie_word_embeddings
     if tied:
@@ -122,7 +153,10 @@ def build_model(
             raise CheckpointError(
                 f"{source}: key {k!r} has shape {tuple(state_dict[k].shape)}, expected {tuple(meta.shape)}"
             )
-    tensors = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
+    tensors = {
+        k: v.to(device) if _is_fp8_slot(k, expected) else v.to(device=device, dtype=dtype)
+        for k, v in state_dict.items()
+    }
     if tied:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     model.load_state_dict(tensors, strict=True, assign=True)
@@ -130,6 +164,33 @@ def build_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)
     return model.eval()
+
+
+FP8_DTYPES = {torch.float8_e4m3fn, torch.float8_e5m2}
+
+
+def _is_fp8_slot(key: str, expected: dict[str, torch.Tensor]) -> bool:
+    """Buffers of FP8 experts keep their stored dtype (FP8 weights, fp32 scales)."""
+    return expected[key].dtype in FP8_DTYPES or key.endswith("_scale")
+
+
+def _use_fp8_experts_where_stored(
+    model: Llama4, state_dict: dict[str, torch.Tensor], dtype: torch.dtype
+) -> None:
+    from maverick.fp8_experts import Float8Experts, Fp8Experts
+
+    for name, module in model.named_modules():
+        key = f"{name}.experts.gate_up_proj"
+        if hasattr(module, "experts") and key in state_dict and state_dict[key].dtype in FP8_DTYPES:
+            e = module.experts
+            E, H, I2 = e.gate_up_proj.shape
+            meta = Fp8Experts(
+                torch.empty(E, H, I2, dtype=torch.float8_e4m3fn),
+                torch.empty(E, I2),
+                torch.empty(E, I2 // 2, H, dtype=torch.float8_e4m3fn),
+                torch.empty(E, H),
+            )
+            module.experts = Float8Experts(meta, dtype=dtype)
 
 
 def load_hf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Llama4:

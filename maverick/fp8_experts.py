@@ -141,3 +141,46 @@ def fuse_compressed_tensors_experts(
     )  # [E, 2I]
     down_scale = torch.stack(scales["down_proj"])  # [E, H]
     return Fp8Experts(gate_up, gate_up_scale, down, down_scale)
+
+
+class Float8Experts(torch.nn.Module):
+    """Drop-in for `maverick.model.Experts` holding FP8 weights with per-output-channel scales
+    (weight-only: activations stay in the model dtype). Each expert's weight is dequantised when it
+    runs, which is the exact emulation of an FP8 weight x high-precision activation GEMM."""
+
+    def __init__(self, fp8: Fp8Experts, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.dtype = dtype
+        self.register_buffer("gate_up_proj", fp8.gate_up)
+        self.register_buffer("gate_up_scale", fp8.gate_up_scale)
+        self.register_buffer("down_proj", fp8.down)
+        self.register_buffer("down_scale", fp8.down_scale)
+
+    @classmethod
+    def from_experts(cls, experts: torch.nn.Module) -> Float8Experts:
+        w = experts.gate_up_proj
+        return cls(quantize_experts_fp8(w.detach(), experts.down_proj.detach()), dtype=w.dtype)
+
+    def expert(self, e: int, x_ND: torch.Tensor) -> torch.Tensor:
+        gate_up = (self.gate_up_proj[e].float() * self.gate_up_scale[e]).to(x_ND.dtype)  # [H, 2I]
+        down = (self.down_proj[e].float() * self.down_scale[e]).to(x_ND.dtype)  # [I, H]
+        gate_NI, up_NI = (x_ND @ gate_up).chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate_NI) * up_NI) @ down
+
+    def grouped(self, x_sorted_ND: torch.Tensor, counts_E: list[int]) -> torch.Tensor:
+        outs = [self.expert(e, xs) for e, xs in enumerate(x_sorted_ND.split(counts_E)) if xs.shape[0]]
+        return torch.cat(outs) if outs else x_sorted_ND.new_zeros(x_sorted_ND.shape)
+
+
+def convert_experts_to_fp8(model: torch.nn.Module) -> int:
+    """Swap every routed-expert block (`*.experts` holding gate_up_proj/down_proj) for Float8Experts, as in
+    Meta's FP8 release (attention, shared experts, dense FFN, router, embeddings stay high precision).
+    Returns the number of blocks converted."""
+    from maverick.model import Experts
+
+    n = 0
+    for module in list(model.modules()):
+        if hasattr(module, "experts") and isinstance(module.experts, Experts):
+            module.experts = Float8Experts.from_experts(module.experts)
+            n += 1
+    return n
