@@ -93,6 +93,16 @@ def test_round_trip_exact(tmp_path):
         ds[7]
 
 
+def test_full_vocab_argmax_bf16_head_equals_fp32():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(300, 64, generator=g).bfloat16()
+    head = (torch.randn(4000, 64, generator=g) * 0.3).bfloat16()
+    want = (hidden.float() @ head.float().T).argmax(-1)
+    assert torch.equal(dump.full_vocab_argmax(hidden, head), want)
+    assert torch.equal(dump.full_vocab_argmax(hidden.float(), head.float()), want)
+    assert not torch.equal((hidden @ head.T).argmax(-1), want)  # plain bf16 logits do get it wrong
+
+
 def test_batched_forward_matches_single(tmp_path):
     """Right padding inside a batched forward does not change what is stored (beyond fp32 rounding)."""
     model, samples = tiny_target(), tiny_samples(5)

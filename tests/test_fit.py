@@ -87,13 +87,13 @@ def tiny(tmp_path_factory):
     return {"root": root, "model": model, "samples": samples, "vocab": (d2t, t2d)}
 
 
-def run(tiny, out, data=None, callback=None, **kw):
+def run(tiny, out, data=None, callback=None, eval_data=None, **kw):
     m = tiny["model"]
     defaults = dict(steps=10, batch_size=4, lr=3e-3, warmup=2, bf16=False, tracker="none", progress=False)
     cfg = FitConfig(out=str(out), **(defaults | kw))
     data = data if data is not None else DumpDataset(tiny["root"] / "dumps")
     w = m.model.embed_tokens.weight.detach()
-    return train(cfg, data, tiny["vocab"], w, w, m.config, step_callback=callback)
+    return train(cfg, data, tiny["vocab"], w, w, m.config, eval_data=eval_data, step_callback=callback)
 
 
 def records(out) -> list[dict]:
@@ -199,6 +199,22 @@ def test_loss_decreases_on_tiny_target(tiny, tmp_path):
     assert torch.equal(draft.d2t, tiny["vocab"][0]) and draft.config.feature_layers == LAYERS
 
 
+def test_heldout_evaluation(tiny, tmp_path):
+    heldout = DumpDataset(tiny["root"] / "dumps")
+    run(tiny, tmp_path, steps=4, eval_every=2, eval_data=heldout)
+    recs = records(tmp_path)
+    assert ["eval_loss" in r for r in recs] == [False, True, False, True]
+    # the last evaluation scored the final draft on all 16 samples: recompute it in one padded batch
+    draft = load_draft(tmp_path / "draft")
+    w = tiny["model"].model.embed_tokens.weight.detach()
+    b = collate(heldout.fetch(range(16)), w[draft.draft_to_target_ids], draft.t2d)
+    with torch.no_grad():
+        ce, correct = ttt_step_sums(draft, lambda ids: torch.nn.functional.embedding(ids, w), b, 7)
+    counts = step_counts(b, 7).clamp(min=1)
+    assert recs[-1]["eval_loss_i"] == pytest.approx((ce / counts).tolist(), rel=1e-4, abs=1e-5)
+    assert recs[-1]["eval_acc_i"] == pytest.approx((correct / counts).tolist(), abs=1e-5)
+
+
 class Crash(Exception):
     pass
 
@@ -278,7 +294,8 @@ def test_ddp_two_processes_equal_one(tiny, tmp_path):
     common = ["--dumps", str(tiny["root"] / "dumps"), "--steps", "3", "--precision", "fp32", "--lr", "1e-3",
               "--warmup", "1", "--tracker", "none", "--no-progress", "--threads", "1"]  # fmt: skip
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    one = subprocess.run([sys.executable, "-m", "train.fit", "--out", str(tmp_path / "one"), "--batch-size", "4", *common],
+    one = subprocess.run([sys.executable, "-m", "train.fit", "--out", str(tmp_path / "one"), "--batch-size", "4", *common,
+                          "--tracker", "tensorboard"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert one.returncode == 0, one.stderr[-3000:]
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
@@ -292,6 +309,7 @@ def test_ddp_two_processes_equal_one(tiny, tmp_path):
     ra, rb = records(tmp_path / "one"), records(tmp_path / "two")
     assert [r["count_i"] for r in ra] == [r["count_i"] for r in rb]
     assert [r["loss"] for r in ra] == pytest.approx([r["loss"] for r in rb], rel=1e-6)
+    assert list((tmp_path / "one" / "eagle3-draft").glob("events.out.tfevents.*"))  # the tensorboard tracker
 
 
 def test_cli_help():

@@ -33,6 +33,7 @@ Shape legend: B batch, T tokens, H hidden, V target vocab, V' draft vocab, S unr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -445,111 +446,104 @@ def train(
         GradientState._reset_state()
 
 
-def _train(acc, cfg, data, vocab, embed_weight, lm_head_weight, target_cfg, eval_data, step_callback):
-    out = Path(cfg.out)
-    dev = acc.device
-    d2t, t2d = vocab
-    draft = build_draft(target_cfg, d2t, t2d, data.feature_layers, cfg)
-    objective = TTTObjective(draft, embed_weight.to(dev), cfg.ttt_steps).to(dev)
-    optimizer = torch.optim.AdamW(
-        draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, eps=1e-8
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, WarmupCosine(cfg.warmup, cfg.steps, cfg.min_lr_ratio)
-    )
-    lm_rows = lm_head_weight[draft.draft_to_target_ids.cpu()].float().to(dev)  # [V', H]
-    t2d_dev = draft.t2d.to(dev)
+class _Run:
+    """One training run's state, in named stages: `restore` (a checkpoint), `step` (one optimizer step
+    -> its log record), `checkpoint`, `finish` (final draft, curve, summary)."""
 
-    world, rank = acc.num_processes, acc.process_index
-    global_batch = cfg.batch_size * world * cfg.grad_accum
-    per_epoch = len(epoch_batches(data.lengths, global_batch, cfg.seed, 0, cfg.group_by_length))
-    fingerprint = data_fingerprint(data.lengths)
-    log_path = out / LOG_FILE
+    def __init__(self, acc, cfg: FitConfig, data: TrainData, vocab, embed_weight, lm_head_weight, target_cfg):
+        self.acc, self.cfg, self.data = acc, cfg, data
+        self.out = Path(cfg.out)
+        self.log_path = self.out / LOG_FILE
+        dev = acc.device
+        self.draft = build_draft(target_cfg, vocab[0], vocab[1], data.feature_layers, cfg)
+        self.objective = TTTObjective(self.draft, embed_weight.to(dev), cfg.ttt_steps).to(dev)
+        self.optimizer = torch.optim.AdamW(
+            self.draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, eps=1e-8
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, WarmupCosine(cfg.warmup, cfg.steps, cfg.min_lr_ratio)
+        )
+        self.lm_rows = lm_head_weight[self.draft.draft_to_target_ids.cpu()].float().to(dev)  # [V', H]
+        self.t2d = self.draft.t2d.to(dev)
+        self.decay = torch.tensor([cfg.decay**i for i in range(cfg.ttt_steps)], device=dev)
+        self.global_batch = cfg.batch_size * acc.num_processes * cfg.grad_accum
+        self.per_epoch = len(epoch_batches(data.lengths, self.global_batch, cfg.seed, 0, cfg.group_by_length))
+        self.fingerprint = data_fingerprint(data.lengths)
+        self._batches: tuple[int, list[list[int]]] = (-1, [])
+        self.fp8_sync = None
+        if cfg.fp8:
+            from maverick.fp8 import sync_float8_amax_and_scale_history
 
-    start = 0
-    ck = find_checkpoint(out, cfg.resume) if cfg.resume else None
-    if cfg.resume and ck is None:
-        acc.print(f"no checkpoint under {out / 'checkpoints'}; starting from step 0")
-    if ck is not None:
+            self.fp8_sync = sync_float8_amax_and_scale_history
+
+    # ---- checkpoints ----
+    def restore(self, ck: Path) -> int:
+        """Load a checkpoint (before `accelerate.prepare`); returns its step."""
         state = torch.load(ck / STATE_FILE, map_location="cpu", weights_only=True)
         saved = state["config"]
-        diff = {k: (saved.get(k), v) for k, v in cfg.resume_view().items() if saved.get(k) != v}
+        diff = {k: (saved.get(k), v) for k, v in self.cfg.resume_view().items() if saved.get(k) != v}
         if diff:
             raise ValueError(f"{ck / STATE_FILE}: cannot resume with different settings (saved, now): {diff}")
-        if state["data"]["fingerprint"] != fingerprint or state["data"]["world_batch"] != global_batch:
-            raise ValueError(f"{ck / STATE_FILE}: the checkpoint was trained on other data or global batch")
+        if (
+            state["data"]["fingerprint"] != self.fingerprint
+            or state["data"]["world_batch"] != self.global_batch
+        ):
+            raise ValueError(
+                f"{ck / STATE_FILE}: the checkpoint was trained on other data or another global batch"
+            )
         sd = load_file(str(ck / "draft" / "model.safetensors"))
-        extra = state.get("fp8_buffers", {})
-        draft.load_state_dict({**sd, **extra}, strict=True)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+        self.draft.load_state_dict({**sd, **state.get("fp8_buffers", {})}, strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(state["rng"])
-        start = int(state["step"])
-        acc.print(f"resumed from {ck} at step {start}")
-        if acc.is_main_process:
-            _truncate_log(log_path, start)
-    elif acc.is_main_process and log_path.exists():
-        log_path.unlink()
+        return int(state["step"])
 
-    objective, optimizer = acc.prepare(objective, optimizer)
-    if cfg.tracker != "none":
-        acc.init_trackers("eagle3-draft", config={k: (v if isinstance(v, int | float | str | bool) else str(v))
-                                                  for k, v in dataclasses.asdict(cfg).items()})  # fmt: skip
-    fp8_sync = None
-    if cfg.fp8:
-        from maverick.fp8 import sync_float8_amax_and_scale_history as fp8_sync
-
-    def state_dict(step: int) -> dict[str, Any]:
-        fp8 = {k: v for k, v in draft.state_dict().items() if k not in plain_draft_state(draft)}
+    def state(self, step: int) -> dict[str, Any]:
+        plain = plain_draft_state(self.draft)
         return {
             "step": step,
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
             "rng": _rng_state(),
             "data": {
-                "epoch": step // per_epoch,
-                "position": step % per_epoch,
-                "fingerprint": fingerprint,
-                "world_batch": global_batch,
-                "seed": cfg.seed,
+                "epoch": step // self.per_epoch,
+                "position": step % self.per_epoch,
+                "seed": self.cfg.seed,
+                "fingerprint": self.fingerprint,
+                "world_batch": self.global_batch,
             },  # fmt: skip
-            "config": cfg.resume_view(),
-            "fp8_buffers": fp8,
+            "config": self.cfg.resume_view(),
+            "fp8_buffers": {k: v for k, v in self.draft.state_dict().items() if k not in plain},
         }
 
-    def checkpoint(step: int) -> None:
-        if acc.is_main_process:
-            path = save_checkpoint(out, step, draft, state_dict(step), cfg.keep_checkpoints)
-            acc.print(f"checkpoint {path}")
-        acc.wait_for_everyone()
+    def checkpoint(self, step: int) -> None:
+        if self.acc.is_main_process:
+            path = save_checkpoint(self.out, step, self.draft, self.state(step), self.cfg.keep_checkpoints)
+            self.acc.print(f"checkpoint {path}")
+        self.acc.wait_for_everyone()
 
-    bar = None
-    if cfg.progress and acc.is_main_process:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=cfg.steps, initial=start, desc="fit", dynamic_ncols=True)
-    batches, batches_epoch = None, -1
-    decay = torch.tensor([cfg.decay**i for i in range(cfg.ttt_steps)], device=dev)
-    records, tokens_seen, t_run = [], 0, time.perf_counter()
-    last = start
-    stop = min(cfg.steps, cfg.stop_after) if cfg.stop_after is not None else cfg.steps
-    for step in range(start, stop):
-        t0 = time.perf_counter()
-        epoch, pos = divmod(step, per_epoch)
-        if epoch != batches_epoch:
-            batches, batches_epoch = (
-                epoch_batches(data.lengths, global_batch, cfg.seed, epoch, cfg.group_by_length),
+    # ---- one step ----
+    def micro_batches(self, step: int) -> list[TTTBatch]:
+        """This process's micro-batches of global batch `step` (a pure function of the step)."""
+        cfg, world, rank = self.cfg, self.acc.num_processes, self.acc.process_index
+        epoch, pos = divmod(step, self.per_epoch)
+        if self._batches[0] != epoch:
+            self._batches = (
                 epoch,
+                epoch_batches(self.data.lengths, self.global_batch, cfg.seed, epoch, cfg.group_by_length),
             )
-        gb = batches[pos]
-        micro = [
-            gb[(m * world + rank) * cfg.batch_size : (m * world + rank + 1) * cfg.batch_size]
-            for m in range(cfg.grad_accum)
-        ]
-        mbs = [collate(data.fetch(ix), lm_rows, t2d_dev, cfg.max_length) for ix in micro]
+        gb = self._batches[1][pos]
+        bs = cfg.batch_size
+        micro = [gb[(m * world + rank) * bs : (m * world + rank + 1) * bs] for m in range(cfg.grad_accum)]
+        return [collate(self.data.fetch(ix), self.lm_rows, self.t2d, cfg.max_length) for ix in micro]
+
+    def step(self, step: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        acc, cfg = self.acc, self.cfg
+        mbs = self.micro_batches(step)
         counts = acc.reduce(sum(step_counts(b, cfg.ttt_steps) for b in mbs), reduction="sum")  # [S] global
-        norm = decay / counts.clamp(min=1).float() * world  # DDP averages gradients over processes
-        sums = torch.zeros(2, cfg.ttt_steps, device=dev)
+        norm = self.decay / counts.clamp(min=1).float() * acc.num_processes  # DDP averages over processes
+        sums = torch.zeros(2, cfg.ttt_steps, device=acc.device)  # (ce, correct) per unroll step
         for m, b in enumerate(mbs):
             args = (
                 b.input_ids,
@@ -559,32 +553,26 @@ def _train(acc, cfg, data, vocab, embed_weight, lm_head_weight, target_cfg, eval
                 b.target_in_vocab,
                 b.attention_valid,
             )
-            if m < len(mbs) - 1:
-                with acc.no_sync(objective):
-                    ce, correct = objective(*args)
-                    acc.backward((ce * norm).sum())
-            else:
-                ce, correct = objective(*args)
+            sync = m == len(mbs) - 1  # all-reduce gradients once, on the last micro-batch
+            with contextlib.nullcontext() if sync else acc.no_sync(self.objective):
+                ce, correct = self.objective(*args)
                 acc.backward((ce * norm).sum())
             sums += torch.stack((ce.detach().float(), correct))
-        grad_norm = acc.clip_grad_norm_(objective.parameters(), cfg.grad_clip)
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if fp8_sync is not None:
-            fp8_sync(draft)
-        last = step + 1
+        grad_norm = acc.clip_grad_norm_(self.objective.parameters(), cfg.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.fp8_sync is not None:
+            self.fp8_sync(self.draft)
 
-        n_tok = sum(int(b.attention_valid.sum()) for b in mbs)
         sums = acc.reduce(sums, reduction="sum")
-        n_tok = int(acc.reduce(torch.tensor(n_tok, device=dev), reduction="sum"))
-        tokens_seen += n_tok
+        n_tok = int(acc.reduce(sum(b.attention_valid.sum() for b in mbs), reduction="sum"))
         dt = time.perf_counter() - t0
         c = counts.clamp(min=1).float()
         loss_i, acc_i = (sums[0] / c).tolist(), (sums[1] / c).tolist()
-        record = {
-            "step": last,
+        return {
+            "step": step + 1,
             "loss": float(sum(cfg.decay**i * v for i, v in enumerate(loss_i))),
             "loss_i": [round(v, 5) for v in loss_i],
             "acc_i": [round(v, 5) for v in acc_i],
@@ -594,67 +582,91 @@ def _train(acc, cfg, data, vocab, embed_weight, lm_head_weight, target_cfg, eval
             "tokens": n_tok,
             "step_s": round(dt, 4),
             "tokens_per_s": round(n_tok / dt, 1),
-            "epoch": epoch,
+            "epoch": step // self.per_epoch,
         }
-        if eval_data is not None and cfg.eval_every and (last % cfg.eval_every == 0 or last == cfg.steps):
-            record |= evaluate(objective, eval_data, lm_rows, t2d_dev, cfg, acc)
-        if acc.is_main_process and (last % cfg.log_every == 0 or last == stop):
-            _append_jsonl(log_path, record)
-            records.append(record)
-            if cfg.tracker != "none":
-                flat = {"loss": record["loss"], "lr": lr, "grad_norm": record["grad_norm"],
-                        "tokens_per_s": record["tokens_per_s"]}  # fmt: skip
-                flat |= {f"loss_{i}": v for i, v in enumerate(loss_i)} | {
-                    f"acc_{i}": v for i, v in enumerate(acc_i)
-                }
-                acc.log(flat, step=last)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(
-                loss=f"{record['loss']:.3f}", acc0=f"{acc_i[0]:.3f}", tok_s=f"{record['tokens_per_s']:.0f}"
-            )
-        if step_callback is not None:
-            step_callback(last, record)
-        if cfg.checkpoint_every and last % cfg.checkpoint_every == 0 and last < stop:
-            checkpoint(last)
-    if bar is not None:
-        bar.close()
-    elapsed = time.perf_counter() - t_run
-    if last > start or ck is None:
-        checkpoint(last)
-    summary: dict[str, Any] = {
-        "out": str(out.resolve()),
-        "step": last,
-        "steps": cfg.steps,
-        "processes": world,
-    }
-    if acc.is_main_process:
-        all_records = (
-            [json.loads(x) for x in log_path.read_text().splitlines() if x.strip()]
-            if log_path.exists()
-            else []
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.acc.is_main_process:
+            return
+        _append_jsonl(self.log_path, record)
+        if self.cfg.tracker != "none":
+            flat = {k: record[k] for k in ("loss", "lr", "grad_norm", "tokens_per_s")}
+            for name in ("loss", "acc", "eval_loss", "eval_acc"):
+                flat |= {f"{name}_{i}": v for i, v in enumerate(record.get(f"{name}_i", []))}
+            self.acc.log(flat, step=record["step"])
+
+    # ---- the end ----
+    def finish(self, start: int, last: int, tokens: int, elapsed: float) -> dict[str, Any]:
+        cfg = self.cfg
+        summary: dict[str, Any] = {"out": str(self.out.resolve()), "step": last, "steps": cfg.steps,
+                                   "processes": self.acc.num_processes}  # fmt: skip
+        if not self.acc.is_main_process:
+            return summary
+        recs = (
+            [json.loads(x) for x in self.log_path.read_text().splitlines()] if self.log_path.exists() else []
         )
-        final = all_records[-1] if all_records else {}
+        final = recs[-1] if recs else {}
         summary |= {
             "loss": final.get("loss"),
             "acc_i": final.get("acc_i"),
-            "tokens_per_s": round(tokens_seen / elapsed, 1) if elapsed > 0 else None,
+            "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
             "step_s": round(elapsed / max(1, last - start), 4),
             "bf16": cfg.bf16,
         }
         if last >= cfg.steps:
-            save_draft_plain(
-                draft,
-                out / "draft",
-                {
-                    "training.json": json.dumps(
-                        {"config": dataclasses.asdict(cfg), "summary": summary}, indent=2
-                    )
-                },
-            )
-            summary["draft"] = str((out / "draft").resolve())
-        if all_records:
-            plot_curves(all_records, out / "curve.png")
+            info = json.dumps({"config": dataclasses.asdict(cfg), "summary": summary}, indent=2)
+            save_draft_plain(self.draft, self.out / "draft", {"training.json": info})
+            summary["draft"] = str((self.out / "draft").resolve())
+        if recs:
+            plot_curves(recs, self.out / "curve.png")
+        return summary
+
+
+def _train(acc, cfg, data, vocab, embed_weight, lm_head_weight, target_cfg, eval_data, step_callback):
+    run = _Run(acc, cfg, data, vocab, embed_weight, lm_head_weight, target_cfg)
+    start = 0
+    ck = find_checkpoint(run.out, cfg.resume) if cfg.resume else None
+    if cfg.resume and ck is None:
+        acc.print(f"no checkpoint under {run.out / 'checkpoints'}; starting from step 0")
+    if ck is not None:
+        start = run.restore(ck)
+        acc.print(f"resumed from {ck} at step {start}")
+        if acc.is_main_process:
+            _truncate_log(run.log_path, start)
+    elif acc.is_main_process and run.log_path.exists():
+        run.log_path.unlink()
+    run.objective, run.optimizer = acc.prepare(run.objective, run.optimizer)
+    if cfg.tracker != "none":
+        acc.init_trackers("eagle3-draft", config={k: (v if isinstance(v, int | float | str | bool) else str(v))
+                                                  for k, v in dataclasses.asdict(cfg).items()})  # fmt: skip
+    bar = None
+    if cfg.progress and acc.is_main_process:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start, desc="fit", dynamic_ncols=True)
+    stop = min(cfg.steps, cfg.stop_after) if cfg.stop_after is not None else cfg.steps
+    last, tokens, t_run = start, 0, time.perf_counter()
+    for step in range(start, stop):
+        record = run.step(step)
+        last, tokens = step + 1, tokens + record["tokens"]
+        if eval_data is not None and cfg.eval_every and (last % cfg.eval_every == 0 or last == cfg.steps):
+            record |= evaluate(run.objective, eval_data, run.lm_rows, run.t2d, cfg, acc)
+        if last % cfg.log_every == 0 or last == stop:
+            run.log(record)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc_i'][0]:.3f}",
+                            tok_s=f"{record['tokens_per_s']:.0f}")  # fmt: skip
+        if step_callback is not None:
+            step_callback(last, record)
+        if cfg.checkpoint_every and last % cfg.checkpoint_every == 0 and last < stop:
+            run.checkpoint(last)
+    if bar is not None:
+        bar.close()
+    elapsed = time.perf_counter() - t_run
+    if last > start or ck is None:
+        run.checkpoint(last)
+    summary = run.finish(start, last, tokens, elapsed)
     acc.wait_for_everyone()
     return summary
 
@@ -756,7 +768,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--fp8", action="store_true", help="FP8 (maverick.fp8) for the draft's linears except lm_head"
     )
     p.add_argument("--init-std", type=float, default=0.02)
-    p.add_argument("--threads", type=int, default=None, help="torch threads per process (default torch's)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default torch's); on a shared busy CPU 1 can be 2-3x faster (a descheduled "
+        "second OpenMP thread stalls every op)",
+    )
     p.add_argument("--no-progress", action="store_true")
     g = p.add_argument_group("online mode")
     g.add_argument("--draft-vocab-size", type=int, default=8192)
