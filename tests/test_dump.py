@@ -214,6 +214,18 @@ def test_vocab_saved_and_validated(tmp_path):
         DumpDataset(tmp_path).vocab()
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_dump_matches_cpu(tmp_path):
+    model, samples = tiny_target(), tiny_samples(4)
+    cpu = run_target(model, samples, LAYERS, store_dtype=torch.float16)
+    gpu = run_target(tiny_target().cuda(), samples, LAYERS, store_dtype=torch.float16)
+    for c, g in zip(cpu, gpu):
+        assert g["features"].device.type == "cpu"  # stored fields always come back to the host
+        assert torch.allclose(c["features"].float(), g["features"].float(), atol=2e-3, rtol=1e-3)
+        assert (c["target_argmax"] == g["target_argmax"]).float().mean() > 0.95
+
+
 def test_cli_help():
     r = subprocess.run(
         [sys.executable, "-m", "train.dump", "--help"], capture_output=True, text=True, timeout=60

@@ -319,3 +319,18 @@ def test_cli_help():
     assert (
         r.returncode == 0 and "--resume" in r.stdout and "--ttt-steps" in r.stdout and "--online" in r.stdout
     )
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_run_matches_cpu(tiny, tmp_path):
+    """The same 3 fp32 steps on the GPU (the default when one is present) and on the CPU."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gpu_summary = run(tiny, tmp_path / "gpu", steps=3)
+    run(tiny, tmp_path / "cpu", steps=3, cpu=True)
+    assert gpu_summary["step"] == 3
+    a, b = draft_weights(tmp_path / "gpu"), draft_weights(tmp_path / "cpu")
+    assert all(torch.allclose(a[k].float(), b[k].float(), atol=1e-4, rtol=0) for k in a)
+    assert records(tmp_path / "gpu")[0]["loss"] == pytest.approx(
+        records(tmp_path / "cpu")[0]["loss"], rel=1e-4
+    )

@@ -100,6 +100,7 @@ class FitConfig:
     fp8: bool = False
     init_std: float = 0.02
     progress: bool = True
+    cpu: bool = False  # train on the CPU even when a GPU is present
     # online mode (no dumps): data and target options as in train/dump.py
     draft_vocab_size: int = 8192
     target_dtype: str = "bf16"
@@ -395,7 +396,7 @@ def _make_accelerator(cfg: FitConfig):
         project_dir=cfg.out,
         step_scheduler_with_optimizer=False,
         # without a GPU, accelerate only recognises torchrun's processes as MULTI_CPU (gloo) with cpu=True
-        cpu=not torch.cuda.is_available(),
+        cpu=cfg.cpu or not torch.cuda.is_available(),
     )
 
 
@@ -776,6 +777,7 @@ def build_parser() -> argparse.ArgumentParser:
         "second OpenMP thread stalls every op)",
     )
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--cpu", action="store_true", help="train on the CPU even when a GPU is present")
     g = p.add_argument_group("online mode")
     g.add_argument("--draft-vocab-size", type=int, default=8192)
     g.add_argument("--target-dtype", default="bf16", choices=sorted(TARGET_DTYPES))
@@ -794,7 +796,7 @@ def config_from_args(args: argparse.Namespace) -> FitConfig:
         group_by_length=not args.no_group_by_length, max_length=args.max_length if args.dumps else None,
         checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints, log_every=args.log_every,
         tracker=args.tracker, resume=args.resume, stop_after=args.stop_after, eval_dumps=args.eval_dumps,
-        eval_every=args.eval_every, fp8=args.fp8, init_std=args.init_std, progress=not args.no_progress,
+        eval_every=args.eval_every, fp8=args.fp8, init_std=args.init_std, progress=not args.no_progress, cpu=args.cpu,
         draft_vocab_size=args.draft_vocab_size, target_dtype=args.target_dtype,
         online_args={k: getattr(args, k) for k in online_keys} | {"max_length": args.max_length or 1024} if args.online else None,
     )  # fmt: skip
@@ -834,7 +836,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         samples, train_split, _ = chat_samples(
             ns, ns.tokenizer or (str(target_path) if target_path.is_file() else None)
         )
-        data = OnlineDataset.from_path(target_path, samples, TARGET_DTYPES[cfg.target_dtype])
+        gpu = torch.cuda.is_available() and not cfg.cpu
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if gpu else "cpu"  # accelerate's device
+        data = OnlineDataset.from_path(target_path, samples, TARGET_DTYPES[cfg.target_dtype], device=device)
         embed, head, tcfg = data.embed_weight, data.lm_head_weight, data.model.config
         d2t, t2d, _ = draft_vocab_from(train_split, tcfg.vocab_size, cfg.draft_vocab_size)
         vocab = (d2t, t2d)

@@ -55,11 +55,12 @@ class OnlineDataset:
         samples: Sequence[Mapping[str, Any]],
         dtype: torch.dtype = torch.bfloat16,
         feature_layers: Sequence[int] | None = None,
+        device: str = "cpu",
     ) -> OnlineDataset:
-        """Load the target (.gguf or HF dir) and run it in `dtype`."""
+        """Load the target (.gguf or HF dir) and run it in `dtype` on `device`."""
         from train.dump import load_target
 
-        return cls(load_target(path, dtype), samples, feature_layers)
+        return cls(load_target(path, dtype, device), samples, feature_layers)
 
     def __len__(self) -> int:
         return len(self.samples)
