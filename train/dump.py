@@ -171,7 +171,7 @@ def full_vocab_argmax(hidden: Tensor, head: Tensor, candidates: int = 8) -> Tens
     """
     if head.dtype == torch.float32:
         return (hidden.float() @ head.T).argmax(-1)
-    cand = (hidden.to(head.dtype) @ head.T).topk(candidates, dim=-1).indices  # [N, k]
+    cand = (hidden.to(head.dtype) @ head.T).topk(min(candidates, head.shape[0]), dim=-1).indices  # [N, k]
     exact = torch.einsum("nh,nkh->nk", hidden.float(), head[cand].float())  # [N, k] fp32
     return cand.gather(1, exact.argmax(-1, keepdim=True))[:, 0]
 
