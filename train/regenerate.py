@@ -115,7 +115,10 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--gguf", default=None)
     ap.add_argument("--seed", type=int, default=0, help="which conversations are taken (train split only)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (1 when sharing the CPU)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.data:
         convs = load_chats(args.data)
     else:
