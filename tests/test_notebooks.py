@@ -14,6 +14,7 @@ from __future__ import annotations
 import html
 import json
 import math
+import os
 import re
 import time
 from pathlib import Path
@@ -196,6 +197,9 @@ def _execute(name: str, tmp_path: Path, monkeypatch) -> dict:
     monkeypatch.setenv("NB_RESULTS", str(results))
     monkeypatch.setenv("NB_WORKDIR", str(tmp_path / "work"))
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    # One torch thread unless the caller says otherwise: the small runs are latency-bound (tiny matmuls),
+    # and on a shared CPU more threads than free cores makes them several times slower, not faster.
+    monkeypatch.setenv("NB_THREADS", os.environ.get("NB_THREADS") or "1")
     nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
     # kernel "python3": jupyter_client runs it with this interpreter (sys.executable), so the kernel sees
     # this environment's packages whether or not the venv is on PATH
