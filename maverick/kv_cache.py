@@ -57,11 +57,11 @@ class KVCache(nn.Module):
 
     def kv_len(self, n_new: int) -> int:
         """How many slots the attention of a call with n_new tokens must look at."""
+        if not self.slice_to_bound:  # fixed shapes (compiled step): no Python-side bookkeeping to guard on
+            return self.max_len
         need = self.bound + n_new
         if need > self.max_len:
             raise RuntimeError(f"KV cache overflow: {need} slots needed, cache holds {self.max_len}")
-        if not self.slice_to_bound:
-            return self.max_len
         if self.window is not None and n_new <= 64:
             if need > self.window:
                 raise RuntimeError(f"KV window overflow: {need} slots needed, window is {self.window}")
@@ -80,7 +80,8 @@ class KVCache(nn.Module):
 
     def advance(self, n: int) -> None:
         self.lengths += n
-        self.bound += n
+        if self.slice_to_bound:
+            self.bound += n
 
     def truncate(self, lengths: Tensor | int) -> None:
         """Roll back (or forward, within what was written) to the given committed lengths."""
