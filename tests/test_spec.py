@@ -202,3 +202,24 @@ def test_tree_sampling_is_lossless():
     # N = 1500: 0.5 * sqrt(16 / 1500) + sqrt(ln(1000) / 3000) = 0.052 + 0.048
     tv = 0.5 * float((empirical(second, V_SMALL) - p2).abs().sum())
     assert tv < 0.10, tv
+
+
+def test_compiled_draft_step_identical_and_compiles_once(target):
+    """torch.compile of the one-token draft step: same output, and changing k does not recompile."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    p = prompts(1)[0]
+    ref = Decoder(target, max_len=128).generate([p], 30).tokens[0]
+
+    class Cycling(FixedK):  # a different k every cycle
+        def choose_k(self):
+            self.k = 1 + (self.k + 2) % 6
+            return self.k
+
+    policy = Cycling(1)
+    dec = SpecDecoder(target, make_draft(target), max_len=128, policy=policy, compile_draft=True)
+    got = dec.generate([p], 30)
+    assert got.tokens[0] == ref
+    assert len(set(got.stats["spec"].draft_lengths)) > 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
