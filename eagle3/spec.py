@@ -56,7 +56,8 @@ class SpecStats:
     cycles: int = 0
     accepted: list[int] = field(default_factory=list)  # per cycle (row 0 for batches; see accepted_rows)
     accepted_rows: list[list[int]] = field(default_factory=list)
-    draft_lengths: list[int] = field(default_factory=list)
+    draft_lengths: list[int] = field(default_factory=list)  # k per cycle (trees: the depth)
+    tree_nodes: list[int] = field(default_factory=list)  # trees: draft nodes verified per cycle
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     prefill_seconds: float = 0.0
@@ -412,7 +413,8 @@ class SpecDecoder:
         stats.cycles += 1
         stats.accepted.append(a)
         stats.accepted_rows.append([a])
-        stats.draft_lengths.append(len(keep))
+        stats.draft_lengths.append(cfg.depth)  # the longest path that could be accepted
+        stats.tree_nodes.append(len(keep))
         stats.draft_seconds += (t1 - t0) + (t3 - t2)
         stats.verify_seconds += t2 - t1
         return emitted, h, y.view(1)
