@@ -32,9 +32,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from maverick.checkpoint import check_state_dict
 from maverick.config import Llama4Config
 from maverick.kv_cache import KVCache, attention_mask
-from maverick.model import MLP, RMSNorm, rope_inv_freq
+from maverick.model import MLP, RMSNorm, init_weights, rope_inv_freq
 
 
 @dataclass
@@ -207,11 +208,7 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("inv_freq", _inv_freq(c), persistent=False)
 
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
-        for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                nn.init.ones_(p)
-            else:
-                nn.init.normal_(p, std=std, generator=generator)
+        init_weights(self, std, generator)
 
     def set_vocab(self, d2t: Tensor, t2d: Tensor) -> None:
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
@@ -331,17 +328,7 @@ def load_draft(
     with torch.device("meta"):
         draft = Eagle3Draft(cfg)
     expected = draft.state_dict()
-    missing = sorted(set(expected) - set(sd))
-    extra = sorted(set(sd) - set(expected) - _OPTIONAL_KEYS)
-    if missing:
-        raise ValueError(f"{path}: draft checkpoint is missing key(s) {missing}")
-    if extra:
-        raise ValueError(f"{path}: unexpected key(s) in draft checkpoint {extra}")
-    for k, meta in expected.items():
-        if tuple(sd[k].shape) != tuple(meta.shape):
-            raise ValueError(
-                f"{path}: key {k!r} has shape {tuple(sd[k].shape)}, expected {tuple(meta.shape)}"
-            )
+    check_state_dict(expected, {k: v for k, v in sd.items() if k not in _OPTIONAL_KEYS}, f"{path} (draft)")
     d2t, t2d = sd["d2t"].long(), sd["t2d"].bool()
     ids = torch.arange(len(d2t)) + d2t
     if int(t2d.sum()) != len(d2t) or not bool(t2d[ids.clamp(0, len(t2d) - 1)].all()) or ids.max() >= len(t2d):

@@ -126,6 +126,21 @@ def _fuse_fp8_experts(sd: dict[str, torch.Tensor], source: str) -> dict[str, tor
     return sd
 
 
+def check_state_dict(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], source: str) -> None:
+    """Every expected key present, no other key, every shape equal; errors name the key."""
+    missing = sorted(set(expected) - set(got))
+    extra = sorted(set(got) - set(expected))
+    if missing:
+        raise CheckpointError(f"{source}: missing key(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if extra:
+        raise CheckpointError(f"{source}: unexpected key(s) {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+    for k, meta in expected.items():
+        if tuple(got[k].shape) != tuple(meta.shape):
+            raise CheckpointError(
+                f"{source}: key {k!r} has shape {tuple(got[k].shape)}, expected {tuple(meta.shape)}"
+            )
+
+
 def build_model(
     cfg: Llama4Config,
     state_dict: dict[str, torch.Tensor],
@@ -142,17 +157,7 @@ def build_model(
     if tied:
         expected.pop("lm_head.weight", None)
         state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
-    missing = sorted(set(expected) - set(state_dict))
-    extra = sorted(set(state_dict) - set(expected))
-    if missing:
-        raise CheckpointError(f"{source}: missing key(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    if extra:
-        raise CheckpointError(f"{source}: unexpected key(s) {extra[:5]}{' ...' if len(extra) > 5 else ''}")
-    for k, meta in expected.items():
-        if tuple(state_dict[k].shape) != tuple(meta.shape):
-            raise CheckpointError(
-                f"{source}: key {k!r} has shape {tuple(state_dict[k].shape)}, expected {tuple(meta.shape)}"
-            )
+    check_state_dict(expected, state_dict, source)
     tensors = {
         k: v.to(device) if _is_fp8_slot(k, expected) else v.to(device=device, dtype=dtype)
         for k, v in state_dict.items()

@@ -21,6 +21,15 @@ from maverick.config import Llama4Config
 from maverick.kv_cache import KVCache, attention_mask
 
 
+def init_weights(module: nn.Module, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+    """Random init for tests and fresh drafts: norms at 1, every other parameter N(0, std)."""
+    for name, p in module.named_parameters():
+        if name.endswith("norm.weight"):
+            nn.init.ones_(p)
+        else:
+            nn.init.normal_(p, std=std, generator=generator)
+
+
 class RMSNorm(nn.Module):
     """Normalise in fp32, cast back, then scale (the order matters for bf16 bit-parity with HF/Meta)."""
 
@@ -287,11 +296,7 @@ class Llama4(nn.Module):
         )
 
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
-        for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                nn.init.ones_(p)
-            else:
-                nn.init.normal_(p, std=std, generator=generator)
+        init_weights(self, std, generator)
 
     def forward(
         self,
