@@ -112,7 +112,9 @@ class Attention(nn.Module):
         if ctx.cache is not None:
             k, v = ctx.cache.write(self.layer, k, v, ctx.kv_len)  # [B, Hkv, S, D]
         mask = ctx.chunk_mask if self.chunked else ctx.full_mask
-        if T <= EXACT_ATTENTION_MAX_T:
+        if ctx.tree_keys is not None:
+            o = tree_attention(q, k, v, ctx.tree_keys, self.chunked and ctx.chunk, ctx.positions)
+        elif T <= EXACT_ATTENTION_MAX_T:
             o = exact_attention(q, k, v, mask)
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
@@ -128,6 +130,35 @@ class Attention(nn.Module):
 # fp32 attention, over a key window of fixed length (KVCache.window), which is row-count invariant;
 # long prefills keep the fused kernel.
 EXACT_ATTENTION_MAX_T = 64
+
+
+def tree_attention(
+    q: Tensor, k: Tensor, v: Tensor, keys: Tensor, chunk: int | None, positions: Tensor
+) -> Tensor:
+    """Tree verification (batch 1), bit-identical to decoding each path token by token: every node attends
+    over its own copy of the keys laid out as a chain would see them (the committed prefix, then its
+    ancestors in depth order at the slots of their positions), so its reductions run in the same order as
+    a one-token decode step. q [1, Hq, T, D], k/v [1, Hkv, S, D], keys [T, S] slot per (node, chain slot)."""
+    k_t = k[0][:, keys].transpose(0, 1)  # [T, Hkv, S, D]
+    v_t = v[0][:, keys].transpose(0, 1)
+    pos = positions[0]  # [T]
+    slot = torch.arange(keys.shape[1], device=q.device)
+    mask = slot[None, :] <= pos[:, None]  # [T, S]
+    if chunk:
+        mask = mask & (slot[None, :] // chunk == pos[:, None] // chunk)
+    o = exact_attention(q[0].transpose(0, 1)[:, :, None], k_t, v_t, mask[:, None, None])  # [T, Hq, 1, D]
+    return o[:, :, 0].transpose(0, 1)[None]
+
+
+def tree_key_slots(tree_mask: Tensor, start: int, kv_len: int) -> Tensor:
+    """[T, kv_len] slot indices: for node t, chain slot start + j holds its j-th ancestor (by index, which is
+    by depth); other slots map to themselves (committed prefix, or masked out)."""
+    T = tree_mask.shape[-1]
+    keys = torch.arange(kv_len, device=tree_mask.device).repeat(T, 1)
+    for t in range(T):
+        anc = tree_mask[0, t].nonzero()[:, 0]
+        keys[t, start : start + len(anc)] = start + anc
+    return keys
 
 
 def exact_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
@@ -240,6 +271,8 @@ class _Ctx:
     sin: Tensor
     full_mask: Tensor
     chunk_mask: Tensor | None
+    tree_keys: Tensor | None  # [T, S] per-node key layout for tree verification (see tree_attention)
+    chunk: int | None
     cache: KVCache | None
     kv_len: int
 
@@ -326,7 +359,13 @@ class Llama4(nn.Module):
         if any(cfg.is_chunked(i) for i in range(cfg.num_hidden_layers)):
             chunked = attention_mask(positions, start, kv_len, cfg.attention_chunk_size, tree_mask)
         freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
-        ctx = _Ctx(positions, freqs.cos()[:, :, None], freqs.sin()[:, :, None], full, chunked, cache, kv_len)
+        tree_keys = None
+        if tree_mask is not None and cache is not None and B == 1 and T <= EXACT_ATTENTION_MAX_T:
+            tree_keys = tree_key_slots(tree_mask, int(start[0]), kv_len)
+        ctx = _Ctx(
+            positions, freqs.cos()[:, :, None], freqs.sin()[:, :, None], full, chunked, tree_keys,
+            cfg.attention_chunk_size, cache, kv_len,
+        )  # fmt: skip
 
         x = self.model.embed_tokens(tokens) if inputs_embeds is None else inputs_embeds
         feats: dict[int, Tensor] = {}
