@@ -21,8 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from maverick.checkpoint import check_state_dict
+from maverick.checkpoint import atomic_dir, check_state_dict
 from maverick.config import Llama4Config
 from maverick.kv_cache import KVCache, attention_mask
 from maverick.model import MLP, RMSNorm, init_weights, rope_inv_freq
@@ -293,20 +291,12 @@ def save_draft(
 ) -> None:
     """config.json + model.safetensors, written to a temp dir and renamed into place."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp", dir=path.parent))
-    try:
+    with atomic_dir(path) as tmp:
         sd = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(draft.config.to_hf_dict(), indent=2, sort_keys=True))
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
 
 
 def load_draft(

@@ -8,6 +8,7 @@ skipped and counted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -206,6 +207,23 @@ def load_hf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device:
     return build_model(cfg, sd, dtype, device, source=str(path))
 
 
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike, tmp_prefix: str | None = None):
+    """Yield a temporary directory beside `path`; on success it replaces `path` in one rename, on error it
+    is removed, so a reader never sees a half-written checkpoint."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix or path.name + ".tmp", dir=path.parent))
+    try:
+        yield tmp
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
 def save_hf(model: Llama4, path: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3) -> None:
     """Write sharded safetensors + index + config.json into `path`, atomically (temp dir, then rename)."""
     path = Path(path)
@@ -222,9 +240,7 @@ def save_hf(model: Llama4, path: str | os.PathLike, max_shard_bytes: int = 2 * 1
             size = 0
         shards[-1][k] = sd[k]
         size += nbytes
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp", dir=path.parent))
-    try:
+    with atomic_dir(path) as tmp:
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
         weight_map = {}
         for name, shard in zip(names, shards):
@@ -234,12 +250,6 @@ def save_hf(model: Llama4, path: str | os.PathLike, max_shard_bytes: int = 2 * 1
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         cfg.save_json(tmp / "config.json")
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
 
 
 def count_parameters(cfg: Llama4Config) -> tuple[int, int]:

@@ -43,7 +43,6 @@ import os
 import random
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,6 +56,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from eagle3.draft import DraftConfig, Eagle3Draft, save_draft
+from maverick.checkpoint import atomic_dir
 from maverick.config import Llama4Config
 from train.ttt import TTTBatch, ttt_unroll
 
@@ -313,16 +313,9 @@ def save_checkpoint(out: Path, step: int, draft: Eagle3Draft, state: dict[str, A
     root = out / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:07d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".step-{step:07d}.tmp", dir=root))
-    try:
+    with atomic_dir(final, tmp_prefix=f".step-{step:07d}.tmp") as tmp:
         save_draft_plain(draft, tmp / "draft")
         torch.save(state, tmp / STATE_FILE)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     done = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file())
     for old in done[: max(0, len(done) - keep)]:
         shutil.rmtree(old)
