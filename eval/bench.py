@@ -15,6 +15,7 @@ in --out.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -30,7 +31,7 @@ from eagle3.sampling import SamplingParams
 from eagle3.spec import SpecDecoder, TreeConfig
 from eagle3.tuner import DraftLengthTuner, FixedK
 from eval.prompts import load_benchmark
-from eval.report import RunRecord, print_table, summarise, write_report
+from eval.report import FP8_SUFFIX, RunRecord, print_table, summarise, write_report
 from maverick.generate import Decoder
 from maverick.gguf_model import load_gguf_model
 from maverick.tokenizer import default_gguf_path, encode_chat, load_tokenizer
@@ -77,9 +78,11 @@ class _FirstToken:
 
 
 class Runner:
-    """One object per method: `run(prompt_ids, max_new_tokens) -> (ids, stats)`."""
+    """One object per method: `run(prompt_ids, max_new_tokens) -> (ids, stats)`. A method name ending in
+    "+fp8" runs the same method on the FP8 (weight-only) copy of the target."""
 
     def __init__(self, name, args, target, draft, hf, eos):
+        name = name.removesuffix(FP8_SUFFIX)
         self.name, self.eos, self.hf = name, eos, hf
         self.sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
         max_len = args.max_prompt_tokens * 2 + args.max_new_tokens * 2 + 128
@@ -98,7 +101,9 @@ class Runner:
             self.dec = SpecDecoder(target, draft, max_len=max_len, policy=policy, tree=tree,
                                    compile_draft=args.compile_draft)  # fmt: skip
         elif not name.startswith("hf-"):
-            raise ValueError(f"unknown method {name!r}; known: {', '.join(ALL_METHODS)}")
+            raise ValueError(
+                f"unknown method {name!r}; known: {', '.join(ALL_METHODS)} (ours also with '{FP8_SUFFIX}')"
+            )
 
     @torch.no_grad()
     def run(self, ids: list[int], max_new_tokens: int, generator: torch.Generator) -> tuple[list[int], dict]:
@@ -164,7 +169,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tree-tokens", type=int, default=24)
     ap.add_argument("--compile-draft", action="store_true")
     ap.add_argument("--fp8", choices=["none", "target", "draft", "both"], default="none",
-                    help="FP8 weight-only layers (emulated on CPU) for the target and/or the draft")  # fmt: skip
+                    help="FP8 weight-only layers (emulated on CPU) for the target and/or the draft of every "
+                         "method; to compare FP8 with bf16 in one run, add methods named <method>+fp8 "
+                         "(e.g. ours-plain+fp8,eagle3-tuned+fp8): they use an FP8 copy of the target")  # fmt: skip
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="report directory (default results/bench-<time>)")
     args = ap.parse_args(argv)
@@ -200,7 +207,16 @@ def main(argv=None) -> int:
             convert_to_fp8_weight_only(target)
         if args.fp8 in ("draft", "both") and draft is not None:
             convert_to_fp8_weight_only(draft)
-    runners = {m: Runner(m, args, target, draft, hf, eos) for m in methods}
+    target_fp8 = None
+    if any(m.endswith(FP8_SUFFIX) for m in methods):
+        if any(m.startswith("hf-") and m.endswith(FP8_SUFFIX) for m in methods):
+            raise ValueError(f"'{FP8_SUFFIX}' applies to our methods only, not HF's")
+        from maverick.fp8 import convert_to_fp8_weight_only
+
+        target_fp8 = convert_to_fp8_weight_only(copy.deepcopy(target))
+    runners = {
+        m: Runner(m, args, target_fp8 if m.endswith(FP8_SUFFIX) else target, draft, hf, eos) for m in methods
+    }
 
     prompts = load_benchmark(args.bench, n=args.n, path=args.prompts)
     gen = torch.Generator().manual_seed(args.seed)
@@ -242,8 +258,8 @@ def main(argv=None) -> int:
 
     summaries = summarise(records, baseline="ours-plain", hf_baseline="hf-generate")
     for m, r in runners.items():
-        if m == "eagle3-tuned":
-            config["tuner"] = _jsonable(r.dec.policy.summary())
+        if m.removesuffix(FP8_SUFFIX) == "eagle3-tuned":
+            config["tuner" + m.removeprefix("eagle3-tuned")] = _jsonable(r.dec.policy.summary())
     paths = write_report(records, summaries, config, out_dir)
     print(f"\ntarget {Path(gguf).name}, dtype {args.dtype}, {len(prompts)} prompts x {args.turns} turns, "
           f"max_new_tokens {args.max_new_tokens}, temperature {args.temperature}")  # fmt: skip

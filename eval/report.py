@@ -25,7 +25,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -126,11 +126,13 @@ class MethodSummary:
     mismatches: int | None
     mismatch_details: list[dict]  # {"prompt_id", "turn", "index"} per differing output
     first_mismatch_index: int | None  # token index of the first difference in the first mismatch
+    reference: str = ""  # the method whose outputs the mismatches are counted against ("" = baseline)
 
     @classmethod
     def from_dict(cls, data: dict) -> MethodSummary:
         names = {f.name for f in fields(cls)}
-        unknown, missing = sorted(set(data) - names), sorted(names - set(data))
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        unknown, missing = sorted(set(data) - names), sorted(required - set(data))
         if unknown or missing:
             raise ValueError(f"MethodSummary: unknown field(s) {unknown}, missing field(s) {missing}")
         return cls(**data)
@@ -212,8 +214,9 @@ def _summarise_method(
 
     compared = mismatches = first_index = None
     details: list[dict] = []
-    if baseline in by_method:
-        reference = {(r.prompt_id, r.turn): r.output_ids for r in by_method[baseline]}
+    ref_method = reference_method(method, by_method, baseline)
+    if ref_method in by_method:
+        reference = {(r.prompt_id, r.turn): r.output_ids for r in by_method[ref_method]}
         compared = mismatches = 0
         for r in mine:
             key = (r.prompt_id, r.turn)
@@ -253,7 +256,21 @@ def _summarise_method(
         mismatches=mismatches,
         mismatch_details=details,
         first_mismatch_index=first_index,
+        reference=ref_method,
     )
+
+
+# Methods named "<method>+fp8" decode with the FP8 target: their outputs are checked against the plain
+# decoding of the same FP8 target (lossless within FP8 numerics), and the FP8 plain decoding against the
+# bf16 one (how much FP8 changes the output: shown, not a failure).
+FP8_SUFFIX = "+fp8"
+
+
+def reference_method(method: str, methods: Iterable[str], baseline: str) -> str:
+    own = baseline + FP8_SUFFIX
+    if method.endswith(FP8_SUFFIX) and method != own and own in methods:
+        return own
+    return baseline
 
 
 def summarise(
@@ -293,6 +310,8 @@ def table_rows(summaries: Sequence[MethodSummary]) -> tuple[list[str], list[list
     for s in summaries:
         accept = [_fmt(s.accept_rates[i], ".2f") if i < len(s.accept_rates) else "-" for i in range(k_max)]
         mismatches = "-" if s.mismatches is None else f"{s.mismatches}/{s.compared}"
+        if s.mismatches is not None and s.reference and s.reference != s.baseline:
+            mismatches += f" vs {s.reference}"
         rows.append(
             [
                 s.method,
@@ -321,18 +340,20 @@ def to_markdown(summaries: Sequence[MethodSummary]) -> str:
 REFERENCE_PREFIXES = ("hf-",)
 
 
-def is_lossless_method(method: str) -> bool:
-    return not method.startswith(REFERENCE_PREFIXES)
+def is_lossless_method(method: str, reference: str = "") -> bool:
+    """Must this method's outputs equal its reference's? Not for HF's, nor across numerics (FP8 vs not)."""
+    same_numerics = not reference or method.endswith(FP8_SUFFIX) == reference.endswith(FP8_SUFFIX)
+    return not method.startswith(REFERENCE_PREFIXES) and same_numerics
 
 
 def failures(summaries: Sequence[MethodSummary]) -> list[str]:
-    """One human-readable line per method of ours whose outputs differ from the baseline's."""
+    """One human-readable line per method of ours whose outputs differ from its reference's."""
     lines = []
     for s in summaries:
-        if s.mismatches and is_lossless_method(s.method):
+        if s.mismatches and is_lossless_method(s.method, s.reference):
             d = s.mismatch_details[0]
             lines.append(
-                f"FAIL: {s.method}: {s.mismatches} of {s.compared} outputs differ from {s.baseline} "
+                f"FAIL: {s.method}: {s.mismatches} of {s.compared} outputs differ from {s.reference or s.baseline} "
                 f"(first: prompt {d['prompt_id']!r} turn {d['turn']} at token {d['index']})"
             )
     return lines
@@ -351,7 +372,7 @@ def print_table(summaries: Sequence[MethodSummary], file: TextIO | None = None, 
     )
     for s, row in zip(summaries, rows):
         cells = [c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
-        if s.mismatches and color and is_lossless_method(s.method):
+        if s.mismatches and color and is_lossless_method(s.method, s.reference):
             # Pad first, then colour the text only: escape codes must not count towards the width.
             cells[-1] = " " * (widths[-1] - len(row[-1])) + f"{RED}{row[-1]}{RESET}"
         print("  ".join(cells), file=file)

@@ -13,6 +13,11 @@ Forward backends:
   like the release's ``input_activations: strategy token, dynamic true``), then a row-wise
   ``torch._scaled_mm``; the tensor-core path on CUDA sm_89+ (W8A8, slightly less accurate).
 - ``"auto"``: ``scaled_mm`` on CUDA sm_89+, ``dequant`` elsewhere.
+
+In eager mode the ``dequant`` backend keeps the dequantised weight of the last dtype it was asked for and
+reuses it until ``weight`` or ``weight_scale`` is written again (their version counters change): the
+same numbers as dequantising every call, at the speed of a plain linear. (It emulates FP8 numerics; it
+saves no memory, which only the ``scaled_mm`` backend does.)
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ class Float8WeightOnlyLinear(nn.Module):
         self.bias = (
             nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
         )
+        self._dequant_cache: tuple[tuple, torch.Tensor] | None = None
 
     @classmethod
     def from_float(cls, linear: nn.Linear, backend: str = "auto") -> Float8WeightOnlyLinear:
@@ -69,6 +75,15 @@ class Float8WeightOnlyLinear(nn.Module):
         """[out, in] weight in ``dtype``."""
         return dequantize(self.weight, self.weight_scale, dtype)
 
+    def _dequant_weight_cached(self, dtype: torch.dtype) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self.dequantized_weight(dtype)
+        w, s = self.weight, self.weight_scale
+        key = (dtype, w.device, w.data_ptr(), w._version, s.data_ptr(), s._version)
+        if self._dequant_cache is None or self._dequant_cache[0] != key:
+            self._dequant_cache = (key, self.dequantized_weight(dtype))
+        return self._dequant_cache[1]
+
     def _use_scaled_mm(self, device: torch.device) -> bool:
         if self.backend == "auto":
             return scaled_mm_supported(device)
@@ -81,7 +96,7 @@ class Float8WeightOnlyLinear(nn.Module):
             y = fp8_mm(xq, self.weight.t(), xs, self.weight_scale.t(), x.dtype, "scaled_mm")  # [M, N]
             y = y.reshape(*x.shape[:-1], self.out_features)
         else:
-            y = F.linear(x, self.dequantized_weight(x.dtype))
+            y = F.linear(x, self._dequant_weight_cached(x.dtype))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y

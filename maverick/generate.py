@@ -79,13 +79,29 @@ def decode_window(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_len
 class Decoder:
     """Holds a model, its static cache and the (optionally compiled) one-token step."""
 
-    def __init__(self, model: Llama4, max_len: int = 2048, batch_size: int = 1, compile: bool = False):
+    def __init__(
+        self,
+        model: Llama4,
+        max_len: int = 2048,
+        batch_size: int = 1,
+        compile: bool = False,
+        exact: bool = True,
+    ):
+        """exact=False: the fused attention kernel over the keys in use instead of the fixed-window exact
+        attention; several times faster for large batches, but its logits may differ from speculative
+        decoding's in the last bit (fine for data generation, not for the bit-exact baseline)."""
         self.model = model
-        self.cache = model.new_cache(batch_size, max_len)
+        self.exact = exact
+        self.cache = self._new_cache(batch_size, max_len)
         self.step = self._step
         if compile:
             self.cache.slice_to_bound = False  # fixed shapes: attend over the whole preallocated cache
             self.step = torch.compile(self._step, dynamic=False)
+
+    def _new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        cache = self.model.new_cache(batch_size, max_len)
+        cache.exact = self.exact
+        return cache
 
     def _step(self, tokens: Tensor) -> Tensor:
         return self.model(tokens[:, None], cache=self.cache, logits="all").logits[:, -1]
@@ -100,34 +116,47 @@ class Decoder:
         generator: torch.Generator | None = None,
         on_tokens: Callable[[Tensor], None] | None = None,
         stop_check: Callable[[list[int]], bool] | None = None,
+        drop_finished: bool = False,
     ) -> Generation:
-        """Decode until every row hit a stop token / `stop_check` or max_new_tokens."""
+        """Decode until every row hit a stop token / `stop_check` or max_new_tokens. drop_finished: remove
+        finished rows from the batch (and the cache) as they end, for throughput jobs; `on_tokens` then
+        sees only the live rows, and a compiled step recompiles for each new batch size."""
         B = len(prompts)
         if B != self.cache.batch_size:
-            self.cache = self.model.new_cache(B, self.cache.max_len)
+            self.cache = self._new_cache(B, self.cache.max_len)
         if max(len(p) for p in prompts) + max_new_tokens > self.cache.max_len:
             raise ValueError(f"prompt + {max_new_tokens} new tokens exceed the cache ({self.cache.max_len})")
         t0 = time.perf_counter()
-        self.cache.set_window(decode_window(prompts, max_new_tokens, self.cache.max_len))
+        window = decode_window(prompts, max_new_tokens, self.cache.max_len) if self.exact else None
+        self.cache.set_window(window)
         logits, _ = prefill(self.model, self.cache, prompts)
         out = [[] for _ in range(B)]
         done = [False] * B
         stop = set(stop_ids)
         ttft = 0.0
+        live = list(range(B))  # cache row j holds prompt live[j]
         for i in range(max_new_tokens):
             tok = pick(logits, sampling, generator)
             toks = tok.tolist()
             if i == 0:
                 ttft = time.perf_counter() - t0
-            for b in range(B):
+            for j, b in enumerate(live):
                 if not done[b]:
-                    out[b].append(toks[b])
-                    done[b] = toks[b] in stop or (stop_check is not None and stop_check(out[b]))
+                    out[b].append(toks[j])
+                    done[b] = toks[j] in stop or (stop_check is not None and stop_check(out[b]))
             if on_tokens is not None:
                 on_tokens(tok)
             if all(done) or i == max_new_tokens - 1:
                 break
+            n_done = sum(done[b] for b in live)
+            if drop_finished and n_done * 4 >= len(live):  # copying the cache pays once a quarter is idle
+                keep = [j for j, b in enumerate(live) if not done[b]]
+                idx = torch.tensor(keep, device=tok.device)
+                self.cache.select_rows(idx)
+                live, tok = [live[j] for j in keep], tok[idx]
             logits = self.step(tok)
+        if len(live) != B:  # a fresh full-size cache for the next call
+            self.cache = self._new_cache(B, self.cache.max_len)
         return Generation(out, [len(p) for p in prompts], time.perf_counter() - t0, ttft)
 
 

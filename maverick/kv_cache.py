@@ -41,6 +41,9 @@ class KVCache(nn.Module):
         self.bound = 0
         self.slice_to_bound = True  # turn off under torch.compile to keep shapes fixed
         self.window: int | None = None
+        # short calls use model.exact_attention (row-count invariant); False: the fused kernel, faster
+        # with many rows, for jobs that need no bit-exactness between decoding and verification
+        self.exact = True
 
     @property
     def batch_size(self) -> int:
@@ -92,6 +95,10 @@ class KVCache(nn.Module):
             self.lengths.copy_(lengths)
             if self.slice_to_bound:  # one small host read; skipped in the fixed-shape (compiled) mode
                 self.bound = int(lengths.max())
+
+    def select_rows(self, rows: Tensor) -> None:
+        """Keep only these batch rows (in this order): batched jobs drop finished rows to save their work."""
+        self.k, self.v, self.lengths = self.k[:, rows], self.v[:, rows], self.lengths[rows]
 
     def compact(self, start: Tensor, keep_idx: Tensor, n_keep: Tensor) -> None:
         """Keep accepted tree nodes: slot start+keep_idx[b, j] -> start+j for j < n_keep[b].

@@ -114,9 +114,10 @@ class Attention(nn.Module):
         mask = ctx.chunk_mask if self.chunked else ctx.full_mask
         if ctx.tree_keys is not None:
             o = tree_attention(q, k, v, ctx.tree_keys, self.chunked and ctx.chunk, ctx.positions)
-        elif T <= EXACT_ATTENTION_MAX_T:
+        elif T <= EXACT_ATTENTION_MAX_T and (ctx.cache is None or ctx.cache.exact):
             o = exact_attention(q, k, v, mask)
-        else:
+        else:  # a cache may hold bf16 values in fp32 (exact decoding): the cast back is lossless
+            k, v = k.to(q.dtype), v.to(q.dtype)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 import train.dump as dump
-from eagle3.draft import DraftConfig, Eagle3Draft, load_draft
+from eagle3.draft import DraftConfig, Eagle3Draft, load_draft, save_draft
 from maverick.checkpoint import save_hf
 from maverick.config import get_config
 from maverick.model import Llama4
@@ -249,6 +249,25 @@ def test_grad_accumulation_equals_one_big_batch(tiny, tmp_path):
     run(tiny, tmp_path / "b", steps=3, batch_size=2, grad_accum=2)
     a, b = draft_weights(tmp_path / "a"), draft_weights(tmp_path / "b")
     assert all(torch.allclose(a[k].float(), b[k].float(), atol=1e-6, rtol=0) for k in a)
+
+
+def test_init_draft_continues_from_saved_weights(tiny, tmp_path):
+    """--init-draft: a run that starts from a saved draft with lr 0 ends with exactly its weights; with a
+    learning rate its first loss is that draft's loss on the first batch (below a random draft's)."""
+    run(tiny, tmp_path / "a", steps=30, warmup=2)
+    run(tiny, tmp_path / "b", steps=2, lr=0.0, init_draft=str(tmp_path / "a" / "draft"))
+    a, b = draft_weights(tmp_path / "a"), draft_weights(tmp_path / "b")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    run(tiny, tmp_path / "c", steps=1, init_draft=str(tmp_path / "a" / "draft"))
+    first_c, first_b, random_start = (records(tmp_path / x)[0]["loss"] for x in "cba")
+    assert first_c == first_b and first_c < random_start - 2.0
+    other = Eagle3Draft(load_draft(tmp_path / "a" / "draft").config)
+    other.init_weights(generator=torch.Generator().manual_seed(1))
+    d2t, t2d = dump.draft_vocab_from(tiny_samples(16, seed=5), 512, 256)[:2]
+    other.set_vocab(d2t, t2d)
+    save_draft(other, tmp_path / "other")
+    with pytest.raises(ValueError, match="vocabulary"):
+        run(tiny, tmp_path / "d", steps=1, init_draft=str(tmp_path / "other"))
 
 
 def test_online_equals_dumps(tiny, tmp_path):

@@ -430,6 +430,20 @@ def test_weight_only_round_trip_and_layout():
     assert torch.equal(q.view(torch.uint8), wo.weight.view(torch.uint8)) and torch.equal(s, wo.weight_scale)
 
 
+def test_weight_only_dequant_cache_follows_the_weights():
+    """The cached dequantised weight gives the per-call dequantisation's output exactly, and is rebuilt
+    after load_state_dict writes new weights (a stale cache would give the old layer's output)."""
+    torch.manual_seed(1)
+    a, b = nn.Linear(32, 16, bias=False), nn.Linear(32, 16, bias=False)
+    wo = Float8WeightOnlyLinear.from_float(a, backend="dequant")
+    x = torch.randn(3, 32)
+    for dtype in (torch.float32, torch.bfloat16, torch.float32):
+        assert torch.equal(wo(x.to(dtype)), F.linear(x.to(dtype), wo.dequantized_weight(dtype)))
+    wo.load_state_dict(Float8WeightOnlyLinear.from_float(b, backend="dequant").state_dict())
+    assert torch.equal(wo(x), F.linear(x, wo.dequantized_weight(torch.float32)))
+    assert sqnr(b(x), wo(x)) >= 25.0
+
+
 def test_weight_only_emulated_w8a8_equals_scaled_mm():
     lin = nn.Linear(40, 24)  # K, N not multiples of 16: padded
     wo = Float8WeightOnlyLinear.from_float(lin, backend="scaled_mm")

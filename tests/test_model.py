@@ -170,6 +170,23 @@ def test_batched_prompts_of_unequal_length(pair):
         assert got == alone
 
 
+def test_dropping_finished_rows_and_fused_attention(pair):
+    """Throughput options for data generation: dropping rows as they stop gives each row the tokens it gets
+    in the full batch; the fused attention (exact=False, fp32 model here) decodes the same tokens."""
+    _, m, cfg = pair
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in (7, 23, 15, 4)]
+    full = Decoder(m, max_len=64, batch_size=4).generate(prompts, max_new_tokens=16).tokens
+    stop = {full[0][3], full[2][9]}  # rows end at different steps (some maybe never)
+    ends = [next((i + 1 for i, t in enumerate(row) if t in stop), 16) for row in full]
+    assert len(set(ends)) >= 2
+    for exact in (True, False):
+        dec = Decoder(m, max_len=64, batch_size=4, exact=exact)
+        got = dec.generate(prompts, max_new_tokens=16, stop_ids=stop, drop_finished=True).tokens
+        assert got == [row[:n] for row, n in zip(full, ends)]
+        assert dec.cache.batch_size == 4  # ready for the next full batch
+
+
 def test_greedy_generation_equals_hf(pair):
     hf, m, cfg = pair
     prompt = torch.randint(3, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(7))

@@ -310,3 +310,49 @@ def test_summary_from_dict_rejects_missing_fields():
         MethodSummary.from_dict(d)
     d["tau"] = 1.0
     assert MethodSummary.from_dict(d).tau == 1.0
+
+
+def test_fp8_methods_are_checked_against_the_fp8_plain_decoding():
+    """ "+fp8" methods: lossless against ours-plain+fp8 (a difference fails); ours-plain+fp8 against the bf16
+    plain decoding is FP8's effect on the output, shown but not a failure."""
+    recs = [
+        plain("p0", 4, 1.0, [1, 2, 3, 4]),
+        RunRecord("ours-plain+fp8", "p0", 0, 4, 1.0, ttft=0.5, output_ids=[1, 2, 9, 9]),
+        RunRecord(
+            "eagle3-k3+fp8",
+            "p0",
+            0,
+            4,
+            0.5,
+            ttft=0.5,
+            output_ids=[1, 2, 9, 9],
+            cycles=2,
+            accepted=[2, 0],
+            draft_lengths=[3, 3],
+        ),  # fmt: skip
+        RunRecord(
+            "eagle3-k5+fp8",
+            "p0",
+            0,
+            4,
+            0.5,
+            ttft=0.5,
+            output_ids=[1, 2, 3, 4],
+            cycles=2,
+            accepted=[2, 0],
+            draft_lengths=[5, 5],
+        ),  # fmt: skip
+    ]
+    s = by_method(summarise(recs))
+    assert s["ours-plain+fp8"].reference == "ours-plain" and s["ours-plain+fp8"].first_mismatch_index == 2
+    assert (s["eagle3-k3+fp8"].reference, s["eagle3-k3+fp8"].mismatches) == ("ours-plain+fp8", 0)
+    assert (s["eagle3-k5+fp8"].mismatches, s["eagle3-k5+fp8"].first_mismatch_index) == (1, 2)
+    assert s["eagle3-k3+fp8"].speedup == pytest.approx(2.0)  # speed still against bf16 plain decoding
+    out = io.StringIO()
+    assert print_table(list(s.values()), file=out) is False
+    fails = [line for line in out.getvalue().splitlines() if "FAIL" in line]
+    assert len(fails) == 1 and "eagle3-k5+fp8: 1 of 1 outputs differ from ours-plain+fp8" in fails[0]
+    assert "1/1 vs ours-plain" in out.getvalue()
+    d = asdict(s["eagle3-k3+fp8"])
+    del d["reference"]  # reports written before the field existed still load
+    assert MethodSummary.from_dict(d).reference == ""

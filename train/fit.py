@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from eagle3.draft import DraftConfig, Eagle3Draft, save_draft
+from eagle3.draft import DraftConfig, Eagle3Draft, load_draft, save_draft
 from maverick.checkpoint import atomic_dir
 from maverick.config import Llama4Config
 from train.ttt import TTTBatch, ttt_unroll
@@ -99,6 +99,7 @@ class FitConfig:
     eval_every: int = 0
     fp8: bool = False
     init_std: float = 0.02
+    init_draft: str | None = None  # start from this draft (same target, features and vocabulary)
     progress: bool = True
     cpu: bool = False  # train on the CPU even when a GPU is present
     # online mode (no dumps): data and target options as in train/dump.py
@@ -402,12 +403,30 @@ def build_draft(
     draft = Eagle3Draft(dcfg)
     draft.init_weights(std=cfg.init_std, generator=torch.Generator().manual_seed(cfg.seed))
     draft.set_vocab(d2t, t2d)
+    if cfg.init_draft:
+        init_from_draft(draft, cfg.init_draft)
     if cfg.fp8:
         from maverick.fp8 import Fp8Recipe, convert_to_fp8, default_fp8_filter
 
         # lm_head stays high precision (its logits feed the softmax); the rest as the default filter says
         convert_to_fp8(draft, Fp8Recipe(), lambda fqn, m: fqn != "lm_head" and default_fp8_filter(fqn, m))
     return draft
+
+
+def init_from_draft(draft: Eagle3Draft, path: str) -> None:
+    """Copy the weights of a saved draft (continued training on more data); its configuration and its
+    vocabulary must be the ones this run builds."""
+    src = load_draft(path)
+    for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "vocab_size", "draft_vocab_size", "target_hidden_size", "feature_layers"):  # fmt: skip
+        mine, theirs = getattr(draft.config, name), getattr(src.config, name)
+        if (tuple(mine) if isinstance(mine, list) else mine) != (
+            tuple(theirs) if isinstance(theirs, list) else theirs
+        ):
+            raise ValueError(f"{path}: draft config {name}={theirs!r}, this run needs {mine!r}")
+    if not torch.equal(src.d2t.cpu(), draft.d2t.cpu()):
+        raise ValueError(f"{path}: its draft vocabulary (d2t) differs from the one beside the data")
+    draft.load_state_dict({k: v.to(draft.d2t.device) for k, v in src.state_dict().items()})
 
 
 def train(
@@ -762,6 +781,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--fp8", action="store_true", help="FP8 (maverick.fp8) for the draft's linears except lm_head"
     )
     p.add_argument("--init-std", type=float, default=0.02)
+    p.add_argument("--init-draft", default=None,
+                   help="start from this saved draft (same features and vocabulary) instead of random weights")  # fmt: skip
     p.add_argument(
         "--threads",
         type=int,
@@ -789,7 +810,7 @@ def config_from_args(args: argparse.Namespace) -> FitConfig:
         group_by_length=not args.no_group_by_length, max_length=args.max_length if args.dumps else None,
         checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints, log_every=args.log_every,
         tracker=args.tracker, resume=args.resume, stop_after=args.stop_after, eval_dumps=args.eval_dumps,
-        eval_every=args.eval_every, fp8=args.fp8, init_std=args.init_std, progress=not args.no_progress, cpu=args.cpu,
+        eval_every=args.eval_every, fp8=args.fp8, init_std=args.init_std, init_draft=args.init_draft, progress=not args.no_progress, cpu=args.cpu,
         draft_vocab_size=args.draft_vocab_size, target_dtype=args.target_dtype,
         online_args={k: getattr(args, k) for k in online_keys} | {"max_length": args.max_length or 1024} if args.online else None,
     )  # fmt: skip

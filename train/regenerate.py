@@ -65,7 +65,7 @@ def regenerate(
     todo = [c for c in conversations if c["id"] not in done and user_turns(c, turns, max_user_chars)]
     # sort by first-turn length so a batch holds similar lengths (less padding in the prefill)
     todo.sort(key=lambda c: len(user_turns(c, 1, max_user_chars)[0]))
-    dec = Decoder(model, max_len=max_prompt_tokens + max_new_tokens + 8, batch_size=batch_size)
+    dec = Decoder(model, max_len=max_prompt_tokens + max_new_tokens + 8, batch_size=batch_size, exact=False)
     n_tokens, t0 = 0, time.perf_counter()
     bar = tqdm(total=len(todo), desc="regenerate", unit="conv")
     for i in range(0, len(todo), batch_size):
@@ -85,7 +85,7 @@ def regenerate(
             live, prompts = [live[k] for k in keep], [prompts[k] for k in keep]
             if not live:
                 break
-            gen = dec.generate(prompts, max_new_tokens, stop_ids=eos)
+            gen = dec.generate(prompts, max_new_tokens, stop_ids=eos, drop_finished=True)
             for j, ids in zip(live, gen.tokens):
                 n_tokens += len(ids)
                 msgs[j].append({"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)})
