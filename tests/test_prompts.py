@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 
 from eval import prompts as P
+from maverick import wheel_data
 from train import data
 
 
@@ -130,9 +131,9 @@ def test_load_benchmark_dispatch():
     ],
 )
 def test_missing_wheel_says_how_to_install(monkeypatch, loader, package, pip):
-    real = data.importlib.util.find_spec
+    real = wheel_data.importlib.util.find_spec
     monkeypatch.setattr(
-        data.importlib.util, "find_spec", lambda name, *a: None if name == package else real(name, *a)
+        wheel_data.importlib.util, "find_spec", lambda name, *a: None if name == package else real(name, *a)
     )
     with pytest.raises(ModuleNotFoundError, match=pip):
         loader()

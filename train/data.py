@@ -27,7 +27,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -40,6 +39,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from maverick.tokenizer import render_chat_text
+from maverick.wheel_data import wheel_data_path
 
 log = logging.getLogger(__name__)
 
@@ -61,28 +61,6 @@ ROLE_MAP = {
     "bard": "assistant",
     "assistant": "assistant",
 }
-
-
-def wheel_data_path(package: str, relpath: str, pip_install: str) -> pathlib.Path:
-    """Path of a data file shipped inside an installed wheel, with the install command if missing.
-
-    NOTE: found with `importlib.util.find_spec` rather than `importlib.resources.files(package)`:
-    the latter imports the package, and some data wheels import heavy or absent dependencies in their
-    `__init__`. Wheels unpack as plain folders, so the file is a real path.
-    """
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            f"the package {package!r} holding {relpath} is not installed; install it with: {pip_install}"
-        )
-    for folder in spec.submodule_search_locations:
-        path = pathlib.Path(folder) / relpath
-        if path.is_file():
-            return path
-    raise FileNotFoundError(
-        f"{relpath} not found in the {package} package at {list(spec.submodule_search_locations)}; "
-        f"reinstall it with: {pip_install}"
-    )
 
 
 # ----------------------------------------------------------------------------------------------------
