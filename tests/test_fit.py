@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import train.dump as dump
@@ -28,6 +29,7 @@ from train.fit import (
     WarmupCosine,
     collate,
     epoch_batches,
+    soft_cross_entropy,
     step_counts,
     train,
     ttt_step_sums,
@@ -155,14 +157,32 @@ def test_step_sums_normalised_locally_equal_ttt_loss():
     assert torch.allclose(mine, loss, rtol=1e-5)
     assert torch.allclose(correct / counts.clamp(min=1), torch.stack(stats["acc"]).float(), atol=1e-6)
     # gradients agree too
-    g1 = torch.autograd.grad(loss, draft.fc.weight)[0]
-    g2 = torch.autograd.grad(mine, draft.fc.weight)[0]
-    assert torch.allclose(g1, g2, rtol=1e-4, atol=1e-5)  # |g| ~ 0.8, float reassociation ~ 5e-7
+    params = (draft.fc.weight, draft.lm_head.weight)  # lm_head: only valid positions reach it now
+    for g1, g2 in zip(
+        torch.autograd.grad(loss, params, retain_graph=True), torch.autograd.grad(mine, params)
+    ):
+        assert torch.allclose(g1, g2, rtol=1e-4, atol=1e-5)  # |g| ~ 0.8, float reassociation ~ 5e-7
     # a batch shorter than the unroll: the missing steps count 0 and contribute 0
     short = TTTBatch(*(t[:, :4] if t.dim() == 2 else t[:, :4] for t in (b.input_ids, b.loss_mask, b.features,
                      b.target_logits, b.target_in_vocab, b.attention_valid)))  # fmt: skip
     ce, _ = TTTObjective(draft, emb.weight, 5)(*dataclasses.astuple(short))
     assert ce.shape == (5,) and (ce[3:] == 0).all() and step_counts(short, 5)[2:].sum() == 0
+
+
+def test_soft_cross_entropy_equals_log_softmax_form():
+    """The fused soft CE (logsumexp - p.z, gradient softmax - p) against autograd through log_softmax, on
+    fp32 and bf16 logits (bf16: computed in fp32 from the bf16 values, gradient returned in bf16)."""
+    g = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(6, 50, generator=g) * 3, -1)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        z = (torch.randn(6, 50, generator=g) * 4).to(dtype).requires_grad_()
+        w = torch.rand(6, generator=g)
+        ref = -(p * F.log_softmax(z.float(), -1)).sum(-1)
+        mine = soft_cross_entropy(z, p)
+        assert torch.allclose(mine, ref, rtol=1e-6, atol=1e-6)
+        (gr,) = torch.autograd.grad((ref * w).sum(), z)
+        (gm,) = torch.autograd.grad((mine * w).sum(), z)
+        assert gm.dtype == dtype and torch.allclose(gm.float(), gr.float(), rtol=tol, atol=tol)
 
 
 def test_epoch_batches_deterministic_and_grouped():
@@ -248,7 +268,8 @@ def test_grad_accumulation_equals_one_big_batch(tiny, tmp_path):
     run(tiny, tmp_path / "a", steps=3, batch_size=4)
     run(tiny, tmp_path / "b", steps=3, batch_size=2, grad_accum=2)
     a, b = draft_weights(tmp_path / "a"), draft_weights(tmp_path / "b")
-    assert all(torch.allclose(a[k].float(), b[k].float(), atol=1e-6, rtol=0) for k in a)
+    # float reassociation through Adam: seen up to 1.1e-6; a wrong normalisation moves weights by ~lr (3e-3)
+    assert all(torch.allclose(a[k].float(), b[k].float(), atol=5e-6, rtol=0) for k in a)
 
 
 def test_init_draft_continues_from_saved_weights(tiny, tmp_path):
@@ -324,7 +345,8 @@ def test_ddp_two_processes_equal_one(tiny, tmp_path):
     summary = json.loads(two.stdout.strip().splitlines()[-1])
     assert summary["processes"] == 2 and summary["step"] == 3
     a, b = draft_weights(tmp_path / "one"), draft_weights(tmp_path / "two")
-    assert all(torch.allclose(a[k].float(), b[k].float(), atol=1e-6, rtol=0) for k in a)
+    # float reassociation through Adam: seen up to 1.1e-6; a wrong normalisation moves weights by ~lr (3e-3)
+    assert all(torch.allclose(a[k].float(), b[k].float(), atol=5e-6, rtol=0) for k in a)
     ra, rb = records(tmp_path / "one"), records(tmp_path / "two")
     assert [r["count_i"] for r in ra] == [r["count_i"] for r in rb]
     assert [r["loss"] for r in ra] == pytest.approx([r["loss"] for r in rb], rel=1e-6)

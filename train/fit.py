@@ -199,27 +199,55 @@ def ttt_step_sums(
     draft: Eagle3Draft, embed: Callable[[Tensor], Tensor], batch: TTTBatch, steps: int
 ) -> tuple[Tensor, Tensor]:
     """Per unroll step: (sum of soft cross-entropies over valid positions [S], top-1 agreements [S]).
-    Same positions and targets as train.ttt.ttt_loss, left unnormalised (see the module NOTE)."""
+    Same positions and targets as train.ttt.ttt_loss, left unnormalised (see the module NOTE). Only the
+    valid positions go through the draft's lm_head and the loss (prompt tokens and padding do not)."""
     target_p = F.softmax(batch.target_logits.float(), dim=-1)  # [B, T, V']
-    target_top = batch.target_logits.argmax(-1)  # [B, T]
+    target_top = batch.target_logits.max(-1).indices  # [B, T] (first maximum, as argmax; 2x faster on CPU)
     T = target_top.shape[1]
     ce_sums, correct = [], []
     zero = batch.target_logits.new_zeros(())
-    for i, logits in ttt_unroll(draft, embed, batch.input_ids, batch.features, steps, batch.attention_valid):
+    unroll = ttt_unroll(
+        draft, embed, batch.input_ids, batch.features, steps, batch.attention_valid, hidden=True
+    )
+    for i, h in unroll:
         n = T - 2 - i  # indices t < n have a token x_{t+2+i} to predict; slices instead of ttt_loss's pads
-        if n <= 0:
-            ce_sums.append(zero + 0 * logits.sum())  # keeps every parameter in the graph (DDP)
+        valid = batch.loss_mask[:, 2 + i :].bool() & batch.target_in_vocab[:, 1 + i : T - 1]  # [B, n]
+        if n <= 0 or not bool(valid.any()):
+            ce_sums.append(
+                zero + 0 * draft.logits(h[:, :1]).sum()
+            )  # keeps every parameter in the graph (DDP)
             correct.append(zero)
             continue
-        lg = logits[:, :n]  # [B, n, V']
-        valid = batch.loss_mask[:, 2 + i :].bool() & batch.target_in_vocab[:, 1 + i : T - 1]  # [B, n]
-        ce = -(target_p[:, 1 + i : 1 + i + n] * F.log_softmax(lg, dim=-1)).sum(-1)  # [B, n]
-        ce_sums.append((ce * valid).sum())
-        correct.append(((lg.argmax(-1) == target_top[:, 1 + i : 1 + i + n]) & valid).sum().detach().float())
+        rows = valid.nonzero(as_tuple=True)
+        lg = draft.logits(h[:, :n][rows])  # [N, V'] at the valid positions only
+        ce_sums.append(soft_cross_entropy(lg, target_p[:, 1 + i : 1 + i + n][rows]).sum())
+        correct.append((lg.max(-1).indices == target_top[:, 1 + i : 1 + i + n][rows]).sum().detach().float())
     while len(ce_sums) < steps:  # sequences shorter than the unroll
         ce_sums.append(zero)
         correct.append(zero)
     return torch.stack(ce_sums), torch.stack(correct)
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z: Tensor, p: Tensor) -> Tensor:
+        zf = z.float()
+        lse = torch.logsumexp(zf, dim=-1)
+        ctx.save_for_backward(z, p, lse)
+        return lse - (p * zf).sum(-1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        z, p, lse = ctx.saved_tensors
+        dz = (torch.exp(z.float() - lse[:, None]) - p) * grad[:, None]
+        return dz.to(z.dtype), None
+
+
+def soft_cross_entropy(logits: Tensor, target_p: Tensor) -> Tensor:
+    """Per row -(target_p * log_softmax(logits)).sum(-1) for target rows that sum to 1, as
+    logsumexp(z) - (p * z).sum(-1) with gradient softmax(z) - p: in fp32 whatever the logits' dtype, and
+    without materialising log_softmax and its backward over [N, V'] (the largest tensors of a step)."""
+    return _SoftCrossEntropy.apply(logits, target_p.float())
 
 
 class TTTObjective(nn.Module):

@@ -59,8 +59,11 @@ def ttt_unroll(
     features: Tensor,
     steps: int,
     attention_valid: Tensor | None = None,
+    hidden: bool = False,
 ):
-    """Yield (step i, draft logits [B, T, V']) for i = 0..steps-1; index t of step i predicts x_{t+2+i}."""
+    """Yield (step i, draft logits [B, T, V']) for i = 0..steps-1; index t of step i predicts x_{t+2+i}.
+    hidden=True yields the draft's output states [B, T, H] instead (`draft.logits` of them are the
+    logits), so a caller can score only the positions that count."""
     B, T = input_ids.shape
     dev = input_ids.device
     h = draft.project(features)  # [B, T, H]
@@ -78,7 +81,7 @@ def ttt_unroll(
         values.append(v)
         o = ttt_attention(q, keys, values, causal)  # [B, Hq, T, D]
         h = draft.finish(h, attn.o_proj(o.transpose(1, 2).reshape(B, T, -1)))
-        yield i, draft.logits(h).float()
+        yield i, (h if hidden else draft.logits(h).float())
 
 
 def ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], causal: Tensor) -> Tensor:
