@@ -7,6 +7,9 @@ Methods run alternately prompt by prompt (the order rotates each prompt) so mach
 each answers both turns of a prompt, the second conditioned on its own first answer. Every method of
 ours must produce exactly the tokens of our plain greedy decoding (a mismatch is printed in red and makes
 the exit status 1); HF's methods are a different implementation, so their differences are shown only.
+At temperature > 0 outputs differ by design; instead each method of ours passes a distribution check of
+the first token a speculative cycle emits against the target's exact marginal (eval/distcheck.py).
+Methods named <method>+fp8 run on an FP8 copy of the target (checked against ours-plain+fp8).
 
 Output: the config first, a progress bar, then the table; report.json (all records), report.md and plots
 in --out.
@@ -30,8 +33,9 @@ from eagle3.draft import load_draft
 from eagle3.sampling import SamplingParams
 from eagle3.spec import SpecDecoder, TreeConfig
 from eagle3.tuner import DraftLengthTuner, FixedK
+from eval.distcheck import DistCheck, check_method
 from eval.prompts import load_benchmark
-from eval.report import FP8_SUFFIX, RunRecord, print_table, summarise, write_report
+from eval.report import BOLD_RED, FP8_SUFFIX, RESET, RunRecord, print_table, summarise, write_report
 from maverick.generate import Decoder
 from maverick.gguf_model import load_gguf_model
 from maverick.tokenizer import default_gguf_path, encode_chat, load_tokenizer
@@ -77,6 +81,45 @@ class _FirstToken:
         pass
 
 
+def tree_config(args) -> TreeConfig:
+    """The tree of --tree-*. Sampling verifies a full tree (every node drawn, none pruned: pruning by value
+    would bias the output), so at temperature > 0 the tree is cut to 2 children per node and the depth
+    at which its node count still fits in --tree-tokens."""
+    if SamplingParams(args.temperature, args.top_k, args.top_p).greedy:
+        return TreeConfig(args.tree_depth, args.tree_top_k, args.tree_tokens)
+    k = min(2, args.tree_top_k)
+    depth = 1
+    while depth < args.tree_depth and sum(k**d for d in range(1, depth + 2)) <= args.tree_tokens:
+        depth += 1
+    return TreeConfig(depth, k, sum(k**d for d in range(1, depth + 1)))
+
+
+def build_decoder(name: str, target, draft, max_len: int, args) -> Decoder | SpecDecoder:
+    """Our decoder for a method name (without the "+fp8" suffix)."""
+    if name == "ours-plain":
+        return Decoder(target, max_len=max_len)
+    if not name.startswith("eagle3"):
+        raise ValueError(
+            f"unknown method {name!r}; known: {', '.join(ALL_METHODS)} (ours also with '{FP8_SUFFIX}')"
+        )
+    if draft is None:
+        raise ValueError(f"method {name} needs a draft (--draft)")
+    policy, tree = None, None
+    if name == "eagle3-tuned":
+        policy = DraftLengthTuner(choices=range(1, 9))
+    elif name == "eagle3-tree":
+        tree = tree_config(args)
+    elif name.removeprefix("eagle3-k").isdigit():
+        policy = FixedK(int(name.removeprefix("eagle3-k")))
+    else:
+        raise ValueError(
+            f"unknown method {name!r}; known: {', '.join(ALL_METHODS)} (ours also with '{FP8_SUFFIX}')"
+        )
+    return SpecDecoder(
+        target, draft, max_len=max_len, policy=policy, tree=tree, compile_draft=args.compile_draft
+    )
+
+
 class Runner:
     """One object per method: `run(prompt_ids, max_new_tokens) -> (ids, stats)`. A method name ending in
     "+fp8" runs the same method on the FP8 (weight-only) copy of the target."""
@@ -86,24 +129,7 @@ class Runner:
         self.name, self.eos, self.hf = name, eos, hf
         self.sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
         max_len = args.max_prompt_tokens * 2 + args.max_new_tokens * 2 + 128
-        if name == "ours-plain":
-            self.dec = Decoder(target, max_len=max_len)
-        elif name.startswith("eagle3"):
-            if draft is None:
-                raise ValueError(f"method {name} needs a draft (--draft)")
-            policy, tree = None, None
-            if name == "eagle3-tuned":
-                policy = DraftLengthTuner(choices=range(1, 9))
-            elif name == "eagle3-tree":
-                tree = TreeConfig(args.tree_depth, args.tree_top_k, args.tree_tokens)
-            else:
-                policy = FixedK(int(name.removeprefix("eagle3-k")))
-            self.dec = SpecDecoder(target, draft, max_len=max_len, policy=policy, tree=tree,
-                                   compile_draft=args.compile_draft)  # fmt: skip
-        elif not name.startswith("hf-"):
-            raise ValueError(
-                f"unknown method {name!r}; known: {', '.join(ALL_METHODS)} (ours also with '{FP8_SUFFIX}')"
-            )
+        self.dec = None if name.startswith("hf-") else build_decoder(name, target, draft, max_len, args)
 
     @torch.no_grad()
     def run(self, ids: list[int], max_new_tokens: int, generator: torch.Generator) -> tuple[list[int], dict]:
@@ -172,6 +198,10 @@ def main(argv=None) -> int:
                     help="FP8 weight-only layers (emulated on CPU) for the target and/or the draft of every "
                          "method; to compare FP8 with bf16 in one run, add methods named <method>+fp8 "
                          "(e.g. ours-plain+fp8,eagle3-tuned+fp8): they use an FP8 copy of the target")  # fmt: skip
+    ap.add_argument("--dist-samples", type=int, default=500,
+                    help="temperature > 0: rows per method in the distribution check of the first speculative "
+                         "token (0: skip; see eval/distcheck.py)")  # fmt: skip
+    ap.add_argument("--dist-prompts", type=int, default=2, help="prompts in the distribution check")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="report directory (default results/bench-<time>)")
     args = ap.parse_args(argv)
@@ -184,6 +214,8 @@ def main(argv=None) -> int:
     out_dir = Path(args.out or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     config = {k: v for k, v in vars(args).items()} | {"methods": methods, "gguf": gguf}
     config |= {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": "cpu"}
+    if "eagle3-tree" in [m.removesuffix(FP8_SUFFIX) for m in methods]:
+        config["tree"] = asdict(tree_config(args))
     print(json.dumps(config), flush=True)
 
     tok = load_tokenizer(gguf)
@@ -256,17 +288,61 @@ def main(argv=None) -> int:
             bar.update(1)
     bar.close()
 
-    summaries = summarise(records, baseline="ours-plain", hf_baseline="hf-generate")
+    greedy = runners_sampling_greedy(
+        args
+    )  # sampled outputs differ by design: checked in distribution instead
+    summaries = summarise(records, baseline="ours-plain", hf_baseline="hf-generate", compare_outputs=greedy)
     for m, r in runners.items():
         if m.removesuffix(FP8_SUFFIX) == "eagle3-tuned":
             config["tuner" + m.removeprefix("eagle3-tuned")] = _jsonable(r.dec.policy.summary())
+    checks = []
+    if not greedy and args.dist_samples > 0:
+        checks = distribution_checks(args, methods, prompts, tok, target, target_fp8, draft)
+        config["distribution_check"] = [asdict(c) | {"passed": c.passed} for c in checks]
     paths = write_report(records, summaries, config, out_dir)
     print(f"\ntarget {Path(gguf).name}, dtype {args.dtype}, {len(prompts)} prompts x {args.turns} turns, "
           f"max_new_tokens {args.max_new_tokens}, temperature {args.temperature}")  # fmt: skip
     ok = print_table(summaries)
+    for c in checks:
+        verdict = "ok" if c.passed else f"{BOLD_RED}FAIL{RESET}"
+        print(f"distribution check {c.method} prompt {c.prompt_id}: TV of the 2nd token {c.tv:.3f} "
+              f"(bound {c.bound:.3f}, {c.samples} samples, {c.buckets} buckets): {verdict}")  # fmt: skip
+        ok = ok and c.passed
     print(f"report: {paths['json']}  {paths['markdown']}")
     print(json.dumps({s.method: {"tok_s": round(s.tokens_per_s, 2), "tau": s.tau} for s in summaries}))
     return 0 if ok else 1
+
+
+def runners_sampling_greedy(args) -> bool:
+    return SamplingParams(args.temperature, args.top_k, args.top_p).greedy
+
+
+def distribution_checks(args, methods, prompts, tok, target, target_fp8, draft) -> list[DistCheck]:
+    """At temperature > 0: each of our methods against the exact marginal of its target (eval/distcheck.py),
+    on the first turn of the first --dist-prompts prompts; fresh decoders sized for the check."""
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    checks = []
+    ours = [m for m in methods if not m.startswith("hf-")]
+    bar = tqdm(
+        total=len(ours) * min(args.dist_prompts, len(prompts)), desc="distribution check", file=sys.stderr
+    )
+    for prompt in prompts[: args.dist_prompts]:
+        ids = build_prompts(tok, prompt, 0, [])[-args.max_prompt_tokens :]
+        for m in ours:
+            base = m.removesuffix(FP8_SUFFIX)
+            t = target_fp8 if m.endswith(FP8_SUFFIX) else target
+            dec = build_decoder(base, t, draft, len(ids) + 64, args)
+
+            def generate(rows, n, dec=dec):
+                return dec.generate(rows, n, sampling, (), gen).tokens
+
+            batch_ok = base != "eagle3-tree"
+            checks.append(check_method(m, str(prompt["id"]), generate, batch_ok, t, ids, sampling,
+                                       samples=args.dist_samples))  # fmt: skip
+            bar.update(1)
+    bar.close()
+    return checks
 
 
 def _jsonable(x):

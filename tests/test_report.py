@@ -191,6 +191,12 @@ def test_mismatch_count_and_first_differing_token():
     assert first_difference([1, 2], [1, 2, 3]) == 2
 
 
+def test_sampled_runs_are_not_compared_token_by_token():
+    s = by_method(summarise(two_prompt_records(), compare_outputs=False))
+    assert all(x.mismatches is None and x.compared is None for x in s.values())
+    assert print_table(list(s.values()), file=io.StringIO()) is True
+
+
 def test_missing_baselines_give_none():
     records = [r for r in two_prompt_records() if r.method not in ("ours-plain", "hf-generate")]
     for m in summarise(records):

@@ -1,0 +1,104 @@
+"""Distribution check for sampling (temperature > 0): speculative sampling must emit tokens with the
+target's own distribution. Greedy runs are checked token by token; sampled runs can only be checked in
+distribution, and this does it on the first token a speculative cycle decides.
+
+The first new token comes from the prefill (the same for every method); the second is the first one that
+a drafting + verification cycle emits, so its marginal is where a wrong acceptance rule shows. Its exact
+marginal is enumerated: p(t2) = sum over t1 of p(t1) p(t2 | prompt, t1), one batched target forward over
+the first token's support (the `max_support` most likely first tokens; the mass left out is added to the
+bound). The method is run `samples` times on the prompt (one batch of identical rows; trees: one row at a
+time), and the total-variation distance between the empirical and exact marginals is measured on the
+`buckets - 1` most likely tokens plus one bucket for all others (coarsening never increases the TV, so a
+distribution that passes coarsened may still differ in its tail; a wrong acceptance rule moves the head).
+
+Bound (delta = 1e-3): E[TV] <= 0.5 * sqrt(buckets / N) (Cauchy-Schwarz on multinomial deviations), plus
+sqrt(ln(1/delta) / 2N) for the deviation of one run (McDiarmid), plus the uncovered first-token mass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from eagle3.sampling import SamplingParams, logits_to_probs
+from maverick.generate import prefill
+from maverick.model import Llama4
+
+
+@dataclass
+class DistCheck:
+    method: str
+    prompt_id: str
+    samples: int
+    buckets: int
+    tv: float
+    bound: float
+    uncovered: float  # first-token probability mass left out of the exact marginal
+
+    @property
+    def passed(self) -> bool:
+        return self.tv <= self.bound
+
+
+@torch.no_grad()
+def second_token_marginal(
+    target: Llama4, prompt: Sequence[int], sampling: SamplingParams, max_support: int = 64
+) -> tuple[torch.Tensor, float]:
+    """(exact distribution of the 2nd new token [V] over the covered first tokens, uncovered mass)."""
+    cache = target.new_cache(1, len(prompt) + 2)
+    logits, _ = prefill(target, cache, [prompt])
+    p1 = logits_to_probs(logits[0].float(), sampling)  # [V]
+    support = p1.topk(min(max_support, int((p1 > 0).sum()))).indices
+    covered = float(p1[support].sum())
+    rows = [list(prompt) + [int(t)] for t in support]
+    cache = target.new_cache(len(rows), len(prompt) + 2)
+    logits2, _ = prefill(target, cache, rows)
+    p2_given = logits_to_probs(logits2.float(), sampling)  # [S, V]
+    return p1[support] @ p2_given, max(0.0, 1.0 - covered)
+
+
+def tv_bound(buckets: int, n: int, uncovered: float = 0.0, delta: float = 1e-3) -> float:
+    return 0.5 * math.sqrt(buckets / n) + math.sqrt(math.log(1 / delta) / (2 * n)) + uncovered
+
+
+def bucketed_tv(tokens: Sequence[int], exact: torch.Tensor, buckets: int) -> float:
+    """TV between the empirical distribution of `tokens` and `exact` [V], on the buckets - 1 most likely
+    tokens of `exact` plus one bucket for the rest."""
+    top = exact.topk(buckets - 1).indices
+    emp = torch.bincount(torch.tensor(list(tokens)), minlength=exact.numel()).float() / len(tokens)
+    e_top, x_top = emp[top], exact[top].float()
+    rest = (1 - e_top.sum()) - (exact.sum() - x_top.sum())  # exact.sum() < 1 when first tokens are uncovered
+    return 0.5 * float((e_top - x_top).abs().sum() + rest.abs())
+
+
+def check_method(
+    method: str,
+    prompt_id: str,
+    generate: Callable[[list[list[int]], int], list[list[int]]],
+    batch_ok: bool,
+    target: Llama4,
+    prompt: Sequence[int],
+    sampling: SamplingParams,
+    samples: int = 500,
+    buckets: int = 10,
+    max_support: int = 64,
+) -> DistCheck:
+    """`generate(prompts, max_new_tokens) -> token lists` runs the method (a batch of prompts when
+    batch_ok, else one prompt per call) without stop tokens, so that every row has a second token."""
+    if sampling.greedy:
+        raise ValueError("the distribution check is for sampling (temperature > 0)")
+    exact, uncovered = second_token_marginal(target, prompt, sampling, max_support)
+    if batch_ok:
+        outs = generate([list(prompt)] * samples, 2)
+    else:
+        outs = [generate([list(prompt)], 2)[0] for _ in range(samples)]
+    if any(len(o) < 2 for o in outs):
+        raise RuntimeError(f"{method}: a row ended before its second token (run it without stop tokens)")
+    second = [o[1] for o in outs]
+    tv = bucketed_tv(second, exact, buckets)
+    return DistCheck(
+        method, prompt_id, len(second), buckets, tv, tv_bound(buckets, len(second), uncovered), uncovered
+    )
