@@ -1,0 +1,91 @@
+"""Compare draft training runs side by side (e.g. bf16 vs FP8 on the same data, seed and batches):
+
+    python -m eval.compare_runs runs/fp8-curve/bf16 runs/fp8-curve/fp8 --out results/fp8-curve.png
+
+Prints the mean loss and step-0 top-1 agreement of each run over windows of --window optimizer steps,
+with each run's loss relative to the first run's, and plots the curves (loss, step-0 agreement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from train.fit import LOG_FILE
+
+
+def read_log(run: str | os.PathLike) -> list[dict]:
+    path = Path(run) if str(run).endswith(".jsonl") else Path(run) / LOG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no training log (train_log.jsonl of python -m train.fit)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def windows(logs: dict[str, list[dict]], window: int) -> list[dict]:
+    """Per window of optimizer steps (over the steps all runs have): mean loss and step-0 agreement of each
+    run, and each run's loss relative to the first run's (0.01 = 1% higher)."""
+    n = min(len(r) for r in logs.values())
+    names = list(logs)
+    rows = []
+    for lo in range(0, n, window):
+        hi = min(n, lo + window)
+        row = {"steps": (logs[names[0]][lo]["step"], logs[names[0]][hi - 1]["step"])}
+        for name in names:
+            recs = logs[name][lo:hi]
+            row[name] = {
+                "loss": sum(r["loss"] for r in recs) / len(recs),
+                "acc0": sum(r["acc_i"][0] for r in recs) / len(recs),
+            }
+        base = row[names[0]]["loss"]
+        for name in names:
+            row[name]["rel_loss"] = row[name]["loss"] / base - 1
+        rows.append(row)
+    return rows
+
+
+def plot(logs: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_l, ax_a) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, recs in logs.items():
+        steps = [r["step"] for r in recs]
+        ax_l.plot(steps, [r["loss"] for r in recs], lw=1, label=name)
+        ax_a.plot(steps, [r["acc_i"][0] for r in recs], lw=1, label=name)
+    ax_l.set(xlabel="optimizer step", ylabel="weighted TTT loss", title="loss")
+    ax_a.set(xlabel="optimizer step", ylabel="top-1 agreement, unroll step 0", title="agreement")
+    ax_l.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", help="train.fit output directories (or their train_log.jsonl)")
+    ap.add_argument("--window", type=int, default=10)
+    ap.add_argument("--out", type=Path, default=None, help="PNG of the curves")
+    args = ap.parse_args(argv)
+    logs = {str(r): read_log(r) for r in args.runs}
+    rows = windows(logs, args.window)
+    names = list(logs)
+    print("steps      " + "  ".join(f"{n[-24:]:>24} loss (rel) acc0" for n in names))
+    for row in rows:
+        cells = [f"{row[n]['loss']:8.3f} ({row[n]['rel_loss']:+.2%}) {row[n]['acc0']:.3f}" for n in names]
+        print(f"{row['steps'][0]:>4}-{row['steps'][1]:<5} " + "  ".join(f"{c:>40}" for c in cells))
+    if args.out:
+        plot(logs, args.out)
+        print(f"plot: {args.out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
