@@ -274,7 +274,8 @@ def test_grad_accumulation_equals_one_big_batch(tiny, tmp_path):
 
 def test_init_draft_continues_from_saved_weights(tiny, tmp_path):
     """--init-draft: a run that starts from a saved draft with lr 0 ends with exactly its weights; with a
-    learning rate its first loss is that draft's loss on the first batch (below a random draft's)."""
+    learning rate its first loss is that draft's loss on the first batch (below a random draft's). A
+    draft with another vocabulary gives its lm_head rows of the shared tokens and every other weight."""
     run(tiny, tmp_path / "a", steps=30, warmup=2)
     run(tiny, tmp_path / "b", steps=2, lr=0.0, init_draft=str(tmp_path / "a" / "draft"))
     a, b = draft_weights(tmp_path / "a"), draft_weights(tmp_path / "b")
@@ -282,13 +283,21 @@ def test_init_draft_continues_from_saved_weights(tiny, tmp_path):
     run(tiny, tmp_path / "c", steps=1, init_draft=str(tmp_path / "a" / "draft"))
     first_c, first_b, random_start = (records(tmp_path / x)[0]["loss"] for x in "cba")
     assert first_c == first_b and first_c < random_start - 2.0
-    other = Eagle3Draft(load_draft(tmp_path / "a" / "draft").config)
-    other.init_weights(generator=torch.Generator().manual_seed(1))
+
+    other = load_draft(tmp_path / "a" / "draft")  # same weights, another vocabulary
     d2t, t2d = dump.draft_vocab_from(tiny_samples(16, seed=5), 512, 256)[:2]
     other.set_vocab(d2t, t2d)
     save_draft(other, tmp_path / "other")
-    with pytest.raises(ValueError, match="vocabulary"):
-        run(tiny, tmp_path / "d", steps=1, init_draft=str(tmp_path / "other"))
+    run(tiny, tmp_path / "d", steps=2, lr=0.0, init_draft=str(tmp_path / "other"))
+    d = draft_weights(tmp_path / "d")
+    assert all(torch.equal(a[k], d[k]) for k in a if k != "lm_head.weight")
+    ours = (torch.arange(256) + tiny["vocab"][0]).tolist()  # target id of each of the run's draft ids
+    theirs = {t: i for i, t in enumerate((torch.arange(256) + d2t).tolist())}
+    shared = [(i, theirs[t]) for i, t in enumerate(ours) if t in theirs]
+    assert 0 < len(shared) < 256
+    for i, j in shared:
+        assert torch.equal(d["lm_head.weight"][i], a["lm_head.weight"][j])
+    assert not torch.equal(d["lm_head.weight"], a["lm_head.weight"])
 
 
 def test_online_equals_dumps(tiny, tmp_path):

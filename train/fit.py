@@ -442,8 +442,9 @@ def build_draft(
 
 
 def init_from_draft(draft: Eagle3Draft, path: str) -> None:
-    """Copy the weights of a saved draft (continued training on more data); its configuration and its
-    vocabulary must be the ones this run builds."""
+    """Copy the weights of a saved draft (continued training on more data). Its configuration must be the
+    one this run builds; its vocabulary may differ: lm_head rows of tokens in both vocabularies are carried
+    over, the others keep their fresh initialisation (a new dataset selects a new vocabulary)."""
     src = load_draft(path)
     for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                  "head_dim", "vocab_size", "draft_vocab_size", "target_hidden_size", "feature_layers"):  # fmt: skip
@@ -452,9 +453,17 @@ def init_from_draft(draft: Eagle3Draft, path: str) -> None:
             tuple(theirs) if isinstance(theirs, list) else theirs
         ):
             raise ValueError(f"{path}: draft config {name}={theirs!r}, this run needs {mine!r}")
-    if not torch.equal(src.d2t.cpu(), draft.d2t.cpu()):
-        raise ValueError(f"{path}: its draft vocabulary (d2t) differs from the one beside the data")
-    draft.load_state_dict({k: v.to(draft.d2t.device) for k, v in src.state_dict().items()})
+    dev = draft.d2t.device
+    state = {k: v.to(dev) for k, v in src.state_dict().items() if k not in ("d2t", "t2d", "lm_head.weight")}
+    draft.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        src_row = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)  # target id -> row of src
+        src_row[src.draft_to_target_ids.cpu()] = torch.arange(src.config.draft_vocab_size)
+        rows = src_row[draft.draft_to_target_ids.cpu()]  # [V'] row of src for each of our draft ids, or -1
+        shared = rows >= 0
+        draft.lm_head.weight[shared.to(dev)] = src.lm_head.weight[rows[shared]].to(draft.lm_head.weight)
+    log.info("%s: weights carried over; lm_head rows shared by both vocabularies: %d of %d",
+                path, int(shared.sum()), draft.config.draft_vocab_size)  # fmt: skip
 
 
 def train(
