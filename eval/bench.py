@@ -46,6 +46,7 @@ ALL_METHODS = [
     "hf-prompt-lookup",
     "ours-plain",
     "eagle3-k3",
+    "eagle3-k4",
     "eagle3-k5",
     "eagle3-tuned",
     "eagle3-tree",
