@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from test_spec import exact_marginals, make_draft, make_target
+from test_spec import accept_all, exact_marginals, make_draft, make_target
 
 import eagle3.spec as spec_mod
 from eagle3.sampling import SamplingParams
@@ -84,12 +84,6 @@ def test_correct_sampling_passes_and_accept_all_fails(models, monkeypatch):
         ),  # fmt: skip
     ]
     assert all(c.passed for c in checks), checks
-
-    def accept_all(draft_tokens, draft_probs, target_probs, generator=None):
-        k = draft_tokens.shape[1]
-        return torch.full_like(draft_tokens[:, 0], k), torch.multinomial(
-            target_probs[:, k], 1, generator=generator
-        )[:, 0]
 
     monkeypatch.setattr(spec_mod, "verify_chain_sampling", accept_all)
     bad = check_method("k3-accept-all", "p", _spec_generate(t, d, policy=FixedK(3)), True, t, PROMPT, SAMPLING,

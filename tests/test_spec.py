@@ -158,6 +158,14 @@ def empirical(tokens, V):
 N_ROWS, V_SMALL, TV_BOUND = 3000, 16, 0.075
 
 
+def accept_all(draft_tokens, draft_probs, target_probs, generator=None):
+    """A wrong chain verification rule (negative control): accept every draft token, then sample the bonus."""
+    k = draft_tokens.shape[1]
+    return torch.full_like(draft_tokens[:, 0], k), torch.multinomial(
+        target_probs[:, k], 1, generator=generator
+    )[:, 0]
+
+
 @pytest.mark.parametrize("sampling", [SamplingParams(1.0), SamplingParams(0.8, top_k=6, top_p=0.9)])
 def test_sampling_is_lossless(sampling, monkeypatch):
     t = make_target(std=0.6, seed=5, vocab_size=V_SMALL)
@@ -179,12 +187,6 @@ def test_sampling_is_lossless(sampling, monkeypatch):
     assert 0 < gen.stats["spec"].tau - 1 < 3  # drafts were partly accepted, partly rejected
 
     # negative control: accepting every draft token emits the draft's distribution instead
-    def accept_all(draft_tokens, draft_probs, target_probs, generator=None):
-        k = draft_tokens.shape[1]
-        return torch.full_like(draft_tokens[:, 0], k), torch.multinomial(
-            target_probs[:, k], 1, generator=generator
-        )[:, 0]
-
     monkeypatch.setattr(spec_mod, "verify_chain_sampling", accept_all)
     c2, c3, _ = run()
     assert max(0.5 * float((c2 - p2).abs().sum()), 0.5 * float((c3 - p3).abs().sum())) > TV_BOUND
