@@ -86,7 +86,7 @@ def tree_config(args) -> TreeConfig:
     """The tree of --tree-*. Sampling verifies a full tree (every node drawn, none pruned: pruning by value
     would bias the output), so at temperature > 0 the tree is cut to 2 children per node and the depth
     at which its node count still fits in --tree-tokens."""
-    if SamplingParams(args.temperature, args.top_k, args.top_p).greedy:
+    if sampling_params(args).greedy:
         return TreeConfig(args.tree_depth, args.tree_top_k, args.tree_tokens)
     k = min(2, args.tree_top_k)
     depth = 1
@@ -99,7 +99,10 @@ def build_decoder(name: str, target, draft, max_len: int, args) -> Decoder | Spe
     """Our decoder for a method name (without the "+fp8" suffix)."""
     if name == "ours-plain":
         return Decoder(target, max_len=max_len)
-    if not name.startswith("eagle3"):
+    fixed_k = name.removeprefix("eagle3-k")
+    if name not in ("eagle3-tuned", "eagle3-tree") and not (
+        name.startswith("eagle3-k") and fixed_k.isdigit()
+    ):
         raise ValueError(
             f"unknown method {name!r}; known: {', '.join(ALL_METHODS)} (ours also with '{FP8_SUFFIX}')"
         )
@@ -110,12 +113,8 @@ def build_decoder(name: str, target, draft, max_len: int, args) -> Decoder | Spe
         policy = DraftLengthTuner(choices=range(1, 9))
     elif name == "eagle3-tree":
         tree = tree_config(args)
-    elif name.removeprefix("eagle3-k").isdigit():
-        policy = FixedK(int(name.removeprefix("eagle3-k")))
     else:
-        raise ValueError(
-            f"unknown method {name!r}; known: {', '.join(ALL_METHODS)} (ours also with '{FP8_SUFFIX}')"
-        )
+        policy = FixedK(int(fixed_k))
     return SpecDecoder(
         target, draft, max_len=max_len, policy=policy, tree=tree, compile_draft=args.compile_draft
     )
@@ -128,7 +127,7 @@ class Runner:
     def __init__(self, name, args, target, draft, hf, eos):
         name = name.removesuffix(FP8_SUFFIX)
         self.name, self.eos, self.hf = name, eos, hf
-        self.sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+        self.sampling = sampling_params(args)
         max_len = args.max_prompt_tokens * 2 + args.max_new_tokens * 2 + 128
         self.dec = None if name.startswith("hf-") else build_decoder(name, target, draft, max_len, args)
 
@@ -289,9 +288,7 @@ def main(argv=None) -> int:
             bar.update(1)
     bar.close()
 
-    greedy = runners_sampling_greedy(
-        args
-    )  # sampled outputs differ by design: checked in distribution instead
+    greedy = sampling_params(args).greedy  # sampled outputs differ by design: checked in distribution instead
     summaries = summarise(records, baseline="ours-plain", hf_baseline="hf-generate", compare_outputs=greedy)
     for m, r in runners.items():
         if m.removesuffix(FP8_SUFFIX) == "eagle3-tuned":
@@ -314,14 +311,14 @@ def main(argv=None) -> int:
     return 0 if ok else 1
 
 
-def runners_sampling_greedy(args) -> bool:
-    return SamplingParams(args.temperature, args.top_k, args.top_p).greedy
+def sampling_params(args) -> SamplingParams:
+    return SamplingParams(args.temperature, args.top_k, args.top_p)
 
 
 def distribution_checks(args, methods, prompts, tok, target, target_fp8, draft) -> list[DistCheck]:
     """At temperature > 0: each of our methods against the exact marginal of its target (eval/distcheck.py),
     on the first turn of the first --dist-prompts prompts; fresh decoders sized for the check."""
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    sampling = sampling_params(args)
     gen = torch.Generator().manual_seed(args.seed + 1)
     checks = []
     ours = [m for m in methods if not m.startswith("hf-")]

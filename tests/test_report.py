@@ -318,36 +318,20 @@ def test_summary_from_dict_rejects_missing_fields():
     assert MethodSummary.from_dict(d).tau == 1.0
 
 
+def spec_record(method: str, ids: list[int], k: int) -> RunRecord:
+    """4 tokens in 0.5 s from two cycles of k drafted tokens (2 accepted, then 0)."""
+    return RunRecord(method, "p0", 0, 4, 0.5, ttft=0.5, output_ids=ids, cycles=2, accepted=[2, 0],
+                     draft_lengths=[k, k])  # fmt: skip
+
+
 def test_fp8_methods_are_checked_against_the_fp8_plain_decoding():
     """ "+fp8" methods: lossless against ours-plain+fp8 (a difference fails); ours-plain+fp8 against the bf16
     plain decoding is FP8's effect on the output, shown but not a failure."""
     recs = [
         plain("p0", 4, 1.0, [1, 2, 3, 4]),
         RunRecord("ours-plain+fp8", "p0", 0, 4, 1.0, ttft=0.5, output_ids=[1, 2, 9, 9]),
-        RunRecord(
-            "eagle3-k3+fp8",
-            "p0",
-            0,
-            4,
-            0.5,
-            ttft=0.5,
-            output_ids=[1, 2, 9, 9],
-            cycles=2,
-            accepted=[2, 0],
-            draft_lengths=[3, 3],
-        ),  # fmt: skip
-        RunRecord(
-            "eagle3-k5+fp8",
-            "p0",
-            0,
-            4,
-            0.5,
-            ttft=0.5,
-            output_ids=[1, 2, 3, 4],
-            cycles=2,
-            accepted=[2, 0],
-            draft_lengths=[5, 5],
-        ),  # fmt: skip
+        spec_record("eagle3-k3+fp8", [1, 2, 9, 9], k=3),
+        spec_record("eagle3-k5+fp8", [1, 2, 3, 4], k=5),
     ]
     s = by_method(summarise(recs))
     assert s["ours-plain+fp8"].reference == "ours-plain" and s["ours-plain+fp8"].first_mismatch_index == 2
