@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from maverick.checkpoint import atomic_dir, check_state_dict
 from maverick.config import Llama4Config
 from maverick.kv_cache import KVCache, attention_mask
+from maverick.linear import Linear
 from maverick.model import MLP, RMSNorm, init_weights, rope_inv_freq
 
 
@@ -157,10 +158,10 @@ class DraftAttention(nn.Module):
     def __init__(self, c: DraftConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_proj = Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
 
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, T, 2H] -> q [B, Hq, T, D], k/v [B, Hkv, T, D] with RoPE applied."""
@@ -196,10 +197,10 @@ class Eagle3Draft(nn.Module):
     def __init__(self, c: DraftConfig):
         super().__init__()
         self.config = c
-        self.fc = nn.Linear(len(c.feature_layers) * c.target_hidden_size, c.hidden_size, bias=False)
+        self.fc = Linear(len(c.feature_layers) * c.target_hidden_size, c.hidden_size, bias=False)
         self.midlayer = MidLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.lm_head = Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool) if c.draft_vocab_size == c.vocab_size
                              else torch.zeros(c.vocab_size, dtype=torch.bool))  # fmt: skip

@@ -1,8 +1,9 @@
 """Apply FP8 to a built model: swap nn.Linear modules in place, and switch FP8 off for evaluation.
 
 FP8 is a converter applied after the model is built (and after weights are loaded), never part of
-the model file. Only modules whose type is exactly nn.Linear are candidates (a subclass may have its
-own forward); ``module_filter(fqn, module) -> bool`` then decides. The default keeps in high
+the model file. Only modules whose type is exactly nn.Linear or ``maverick.linear.Linear`` (nn.Linear with
+a packed-weight fast path) are candidates (another subclass may have its own forward);
+``module_filter(fqn, module) -> bool`` then decides. The default keeps in high
 precision what FP8 hurts or cannot run:
 - ``lm_head`` (logits feed a softmax over 202k tokens; small errors move the argmax),
 - routers / MoE gates (``router`` in the name, or a module named exactly ``gate``: top-1 routing
@@ -21,8 +22,10 @@ from torch import nn
 from maverick.fp8_linear import Float8Linear
 from maverick.fp8_recipe import Fp8Recipe
 from maverick.fp8_weight_only import Float8WeightOnlyLinear
+from maverick.linear import Linear
 
 ModuleFilter = Callable[[str, nn.Module], bool]
+_PLAIN_LINEARS = (nn.Linear, Linear)
 
 
 def default_fp8_filter(fqn: str, module: nn.Module) -> bool:
@@ -40,12 +43,12 @@ def _swap_linears(
     model: nn.Module, make: Callable[[nn.Linear], nn.Module], module_filter: ModuleFilter | None
 ) -> nn.Module:
     keep = module_filter if module_filter is not None else default_fp8_filter
-    if type(model) is nn.Linear:
+    if type(model) in _PLAIN_LINEARS:
         return make(model) if keep("", model) else model
     targets = [
         (fqn, module)
         for fqn, module in model.named_modules()
-        if type(module) is nn.Linear and keep(fqn, module)
+        if type(module) in _PLAIN_LINEARS and keep(fqn, module)
     ]
     for fqn, module in targets:
         parent_name, _, child = fqn.rpartition(".")

@@ -16,19 +16,20 @@ Forward backends:
 
 In eager mode the ``dequant`` backend keeps the dequantised weight of the last dtype it was asked for and
 reuses it until ``weight`` or ``weight_scale`` is written again (their version counters change): the
-same numbers as dequantising every call, at the speed of a plain linear. (It emulates FP8 numerics; it
+same numbers as dequantising every call, at the speed of a plain linear (`maverick.linear.linear`, which
+also packs the cached weight for few-row bf16 calls on CPU). (It emulates FP8 numerics; it
 saves no memory, which only the ``scaled_mm`` backend does.)
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from maverick.fp8_cast import dequantize, quantize_current
 from maverick.fp8_gemm import fp8_mm, scaled_mm_supported
 from maverick.fp8_recipe import E4M3
+from maverick.linear import linear
 
 _WO_BACKENDS = ("auto", "dequant", "scaled_mm")
 
@@ -96,7 +97,7 @@ class Float8WeightOnlyLinear(nn.Module):
             y = fp8_mm(xq, self.weight.t(), xs, self.weight_scale.t(), x.dtype, "scaled_mm")  # [M, N]
             y = y.reshape(*x.shape[:-1], self.out_features)
         else:
-            y = F.linear(x, self._dequant_weight_cached(x.dtype))
+            y = linear(x, self._dequant_weight_cached(x.dtype))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y

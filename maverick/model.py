@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from maverick.config import Llama4Config
 from maverick.kv_cache import KVCache, attention_mask
+from maverick.linear import Linear, linears
 
 
 def init_weights(module: nn.Module, std: float = 0.02, generator: torch.Generator | None = None) -> None:
@@ -82,10 +83,10 @@ class Attention(nn.Module):
             cfg.head_dim,
         )
         H, D = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(H, self.n_heads * D, bias=False)
-        self.k_proj = nn.Linear(H, self.n_kv * D, bias=False)
-        self.v_proj = nn.Linear(H, self.n_kv * D, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * D, H, bias=False)
+        self.q_proj = Linear(H, self.n_heads * D, bias=False)
+        self.k_proj = Linear(H, self.n_kv * D, bias=False)
+        self.v_proj = Linear(H, self.n_kv * D, bias=False)
+        self.o_proj = Linear(self.n_heads * D, H, bias=False)
         self.use_rope = cfg.uses_rope(layer)
         self.qk_norm = cfg.use_qk_norm and self.use_rope
         self.temperature_tuning = cfg.attn_temperature_tuning and not self.use_rope
@@ -94,9 +95,10 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, ctx: _Ctx) -> Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        q, k, v = linears(x, (self.q_proj, self.k_proj, self.v_proj))
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv, self.head_dim)
+        v = v.view(B, T, self.n_kv, self.head_dim)
         if self.use_rope:
             q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
             if self.qk_norm:  # weightless RMSNorm after RoPE, RoPE layers only
@@ -180,12 +182,13 @@ class MLP(nn.Module):
 
     def __init__(self, H: int, I: int):
         super().__init__()
-        self.gate_proj = nn.Linear(H, I, bias=False)
-        self.up_proj = nn.Linear(H, I, bias=False)
-        self.down_proj = nn.Linear(I, H, bias=False)
+        self.gate_proj = Linear(H, I, bias=False)
+        self.up_proj = Linear(H, I, bias=False)
+        self.down_proj = Linear(I, H, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linears(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Experts(nn.Module):
@@ -217,7 +220,7 @@ class MoE(nn.Module):
         super().__init__()
         H, I, E = cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts
         self.num_experts = E
-        self.router = nn.Linear(H, E, bias=False)
+        self.router = Linear(H, E, bias=False)
         self.experts = Experts(E, H, I)
         self.shared_expert = MLP(H, I)
 
@@ -304,7 +307,7 @@ class Llama4(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = TextModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)

@@ -1,0 +1,108 @@
+"""maverick.linear: the packed-weight path gives F.linear's bits, row by row whatever the row count, and
+follows weight updates; gradients and other dtypes take F.linear."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from maverick.fp8_convert import convert_to_fp8_weight_only
+from maverick.fp8_weight_only import Float8WeightOnlyLinear
+from maverick.linear import PACKED_MAX_ROWS, Linear, linear, linears, packing_supported, use_packed
+
+pytestmark = pytest.mark.skipif(not packing_supported(), reason="no oneDNN bf16 on this CPU")
+
+SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (8192, 576)]
+
+
+@pytest.mark.parametrize("out_f,in_f", SHAPES)
+def test_packed_equals_f_linear_and_is_row_count_invariant(out_f, in_f):
+    g = torch.Generator().manual_seed(out_f + in_f)
+    w = torch.randn(out_f, in_f, generator=g).bfloat16()
+    x = torch.randn(PACKED_MAX_ROWS, in_f, generator=g).bfloat16()
+    with torch.no_grad():
+        assert use_packed(x, w)
+        rows = torch.cat([linear(x[i : i + 1], w) for i in range(PACKED_MAX_ROWS)])
+        for m in (1, 2, 5, 9, 25, 32):  # where F.linear is itself row-count invariant
+            torch.testing.assert_close(linear(x[:m], w), F.linear(x[:m], w), rtol=0, atol=0)
+        for m in range(1, PACKED_MAX_ROWS + 1):
+            torch.testing.assert_close(linear(x[:m], w), rows[:m], rtol=0, atol=0)
+
+
+def test_bias_batch_dims_and_noncontiguous_input():
+    lin = Linear(96, 80, bias=True).bfloat16()
+    x = torch.randn(2, 3, 96).bfloat16()
+    xt = torch.randn(96, 4).bfloat16().t()
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=0, atol=0)
+        torch.testing.assert_close(lin(xt), F.linear(xt, lin.weight, lin.bias), rtol=0, atol=0)
+
+
+def test_follows_weight_writes():
+    lin = Linear(64, 32, bias=False).bfloat16()
+    x = torch.randn(3, 64).bfloat16()
+    with torch.no_grad():
+        before = lin(x)
+        lin.weight.mul_(2)  # in place: same storage, new version
+        torch.testing.assert_close(lin(x), 2 * before, rtol=0, atol=0)
+        lin.load_state_dict({"weight": torch.randn(32, 64).bfloat16()})
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=0, atol=0)
+        lin.weight = torch.nn.Parameter(torch.randn(32, 64).bfloat16())  # a new tensor
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=0, atol=0)
+
+
+def test_gradients_and_other_dtypes_take_f_linear():
+    lin = Linear(64, 32).bfloat16()
+    ref = torch.nn.Linear(64, 32).bfloat16()
+    ref.load_state_dict(lin.state_dict())
+    x = torch.randn(4, 64).bfloat16()
+    assert not use_packed(x, lin.weight)  # grad enabled, weight requires grad
+    lin(x).float().square().sum().backward()
+    ref(x).float().square().sum().backward()
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=0, atol=0)
+    with torch.no_grad():
+        assert not use_packed(x.float(), lin.weight.float())
+        assert not use_packed(torch.randn(PACKED_MAX_ROWS + 1, 64).bfloat16(), lin.weight)
+
+
+def test_deepcopy_and_fp8_conversion_after_packed_calls():
+    model = torch.nn.Sequential(Linear(64, 64, bias=False), Linear(64, 16, bias=False)).bfloat16()
+    x = torch.randn(2, 64).bfloat16()
+    with torch.no_grad():
+        y = model(x)
+        twin = copy.deepcopy(model)  # the packed copies live outside the module
+        torch.testing.assert_close(twin(x), y, rtol=0, atol=0)
+        convert_to_fp8_weight_only(twin, module_filter=lambda fqn, m: True)
+        assert all(isinstance(m, Float8WeightOnlyLinear) for m in twin)
+        w = twin[0].dequantized_weight(torch.bfloat16)
+        torch.testing.assert_close(twin[0](x), F.linear(x, w), rtol=0, atol=0)
+
+
+def test_linears_fused_equals_separate_layers():
+    """q/k/v (576 -> 576, 192, 192) and gate/up (576 -> 1536, 1536) as one packed matmul: every output has
+    the bits of its own layer, for every row count up to PACKED_MAX_ROWS; gradients take separate layers."""
+    torch.manual_seed(0)
+    for outs in ((576, 192, 192), (1536, 1536)):
+        layers = [Linear(576, o, bias=False).bfloat16() for o in outs]
+        x = torch.randn(PACKED_MAX_ROWS, 576).bfloat16()
+        with torch.no_grad():
+            for m in (1, 3, 9, 33, PACKED_MAX_ROWS):
+                fused = linears(x[:m], layers)
+                assert [y.shape[-1] for y in fused] == list(outs)
+                for y, layer in zip(fused, layers):
+                    torch.testing.assert_close(y, layer(x[:m]), rtol=0, atol=0)
+            layers[0].weight.add_(1)  # written: the fused copy follows
+            torch.testing.assert_close(linears(x, layers)[0], layers[0](x), rtol=0, atol=0)
+        grads = linears(x[:2], layers)
+        assert grads[0].requires_grad
+
+
+def test_linears_leaves_fp8_layers_to_themselves():
+    layers = [Linear(64, 32, bias=False).bfloat16(), Linear(64, 16, bias=False).bfloat16()]
+    layers[1] = Float8WeightOnlyLinear.from_float(layers[1])
+    x = torch.randn(2, 64).bfloat16()
+    with torch.no_grad():
+        a, b = linears(x, layers)
+        torch.testing.assert_close(a, layers[0](x), rtol=0, atol=0)
+        torch.testing.assert_close(b, layers[1](x), rtol=0, atol=0)
