@@ -71,11 +71,24 @@ class KVCache(nn.Module):
             return self.window
         return min(self.max_len, -(-need // 64) * 64)  # round up so shapes repeat
 
-    def write(self, layer: int, k_new: Tensor, v_new: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
-        """Write k/v [B, Hkv, T, D] at slots lengths + arange(T); return this layer's [B, Hkv, kv_len, D]."""
-        B, _, T, _ = k_new.shape
-        slots = self.lengths[:, None] + torch.arange(T, device=k_new.device)  # [B, T]
-        rows = torch.arange(B, device=k_new.device)[:, None]
+    def write_index(self, n_new: int) -> tuple[Tensor, Tensor]:
+        """(rows [B, 1], slots [B, T]) where a call with n_new tokens writes; one per forward, shared by layers."""
+        dev = self.lengths.device
+        return torch.arange(self.batch_size, device=dev)[:, None], self.lengths[:, None] + torch.arange(
+            n_new, device=dev
+        )
+
+    def write(
+        self,
+        layer: int,
+        k_new: Tensor,
+        v_new: Tensor,
+        kv_len: int,
+        index: tuple[Tensor, Tensor] | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Write k/v [B, Hkv, T, D] at slots lengths + arange(T) (`index`: `write_index(T)`, computed here
+        when not given); return this layer's [B, Hkv, kv_len, D]."""
+        rows, slots = index if index is not None else self.write_index(k_new.shape[2])
         # advanced indices (rows, slots) around a slice put their dims first: target is [B, T, Hkv, D]
         self.k[layer][rows, :, slots] = k_new.transpose(1, 2).to(self.k.dtype)
         self.v[layer][rows, :, slots] = v_new.transpose(1, 2).to(self.v.dtype)

@@ -303,3 +303,15 @@ def test_meta_build_has_no_storage():
     with torch.device("meta"):
         m = Llama4(get_config("maverick-400b"))
     assert m.lm_head.weight.is_meta
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_equals_the_written_out_formula(dtype):
+    """_rms (F.rms_norm) gives the bits of HF's LlamaRMSNorm arithmetic: fp32 mean of squares, rsqrt,
+    multiply, cast back."""
+    from maverick.model import _rms
+
+    x = torch.randn(3, 7, 576, generator=torch.Generator().manual_seed(0)).to(dtype) * 4
+    xf = x.float()
+    ref = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    torch.testing.assert_close(_rms(x, 1e-5), ref, rtol=0, atol=0)
