@@ -56,6 +56,9 @@ class DraftConfig:
     max_position_embeddings: int = 8192
     extra: dict = field(default_factory=dict, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        self.feature_layers = tuple(self.feature_layers)  # a list when read from JSON
+
     @classmethod
     def for_target(
         cls, target: Llama4Config, draft_vocab_size: int, feature_layers=None, **kw

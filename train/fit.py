@@ -449,9 +449,7 @@ def init_from_draft(draft: Eagle3Draft, path: str) -> None:
     for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                  "head_dim", "vocab_size", "draft_vocab_size", "target_hidden_size", "feature_layers"):  # fmt: skip
         mine, theirs = getattr(draft.config, name), getattr(src.config, name)
-        if (tuple(mine) if isinstance(mine, list) else mine) != (
-            tuple(theirs) if isinstance(theirs, list) else theirs
-        ):
+        if mine != theirs:
             raise ValueError(f"{path}: draft config {name}={theirs!r}, this run needs {mine!r}")
     dev = draft.d2t.device
     state = {k: v.to(dev) for k, v in src.state_dict().items() if k not in ("d2t", "t2d", "lm_head.weight")}
