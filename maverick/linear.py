@@ -67,10 +67,15 @@ def use_packed(x: Tensor, weight: Tensor) -> bool:
     )
 
 
+def _packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    """x @ W^T + bias on a packed W, no fused activation ("none", no scalars, no algorithm)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear`, through the packed weight when `use_packed` says so (same result, see module docstring)."""
     if use_packed(x, weight):
-        return torch.ops.mkldnn._linear_pointwise(x, packed_weight(weight), bias, "none", [], "")
+        return _packed_linear(x, packed_weight(weight), bias)
     return F.linear(x, weight, bias)
 
 
@@ -82,7 +87,7 @@ def linears(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor]:
     if all(type(layer) is Linear and layer.bias is None for layer in layers) and all(
         use_packed(x, w) for w in ws
     ):
-        y = torch.ops.mkldnn._linear_pointwise(x, _cached_pack(_packed_groups, ws), None, "none", [], "")
+        y = _packed_linear(x, _cached_pack(_packed_groups, ws), None)
         return list(y.split([w.shape[0] for w in ws], dim=-1))
     return [layer(x) for layer in layers]
 
