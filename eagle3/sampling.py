@@ -124,20 +124,28 @@ def _check_chain_shapes(draft_tokens: torch.Tensor, target: torch.Tensor, name: 
     return B, k
 
 
+def _within(lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, k] bool: draft position i < lengths[b]."""
+    return torch.arange(k, device=lengths.device)[None] < lengths[:, None]
+
+
 def verify_chain_greedy(
-    draft_tokens: torch.Tensor, target_logits: torch.Tensor
+    draft_tokens: torch.Tensor, target_logits: torch.Tensor, lengths: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy chain verification: keep the longest prefix equal to the target's argmax.
 
     draft_tokens [B, k]; target_logits [B, k+1, V] where position i scores the token after draft
     position i-1 (position 0 follows the last committed token). Returns n_accepted [B] long in
     0..k and next_token [B] long: the target argmax at position n_accepted (the correction at the
-    first mismatch, or the bonus token when all k were accepted).
+    first mismatch, or the bonus token when all k were accepted). lengths [B] (optional): row b's
+    draft is only its first lengths[b] tokens (the rest is padding, never accepted).
     """
     _check_chain_shapes(draft_tokens, target_logits, "target_logits")
     k = draft_tokens.shape[1]
     target_top = target_logits.argmax(-1)  # [B, k+1]
     match = draft_tokens == target_top[:, :k]  # [B, k]
+    if lengths is not None:
+        match &= _within(lengths, k)
     # cumprod zeroes everything after the first mismatch: sum = length of the matching prefix
     n_accepted = match.long().cumprod(-1).sum(-1)  # [B]
     next_token = target_top.gather(1, n_accepted[:, None]).squeeze(1)  # [B]
@@ -149,6 +157,7 @@ def verify_chain_sampling(
     draft_probs: torch.Tensor,
     target_probs: torch.Tensor,
     generator: torch.Generator | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lossless rejection-sampling verification of a batch of draft chains.
 
@@ -158,6 +167,8 @@ def verify_chain_sampling(
     never divides. At the first rejection n the next token is drawn from norm(max(0, p_n - q_n))
     (if that residual is all zero, which happens only when p_n == q_n up to rounding and so a
     rejection had probability ~0, p_n itself is used); when all k are accepted it is drawn from p_k.
+    lengths [B] (optional): row b's draft is only its first lengths[b] tokens; its next token is drawn
+    from p at that position, as if the chain ended there (draft_probs beyond a row's length are unused).
     Returns n_accepted [B] long and next_token [B] long, with no host sync.
     """
     B, k = _check_chain_shapes(draft_tokens, target_probs, "target_probs")
@@ -173,6 +184,9 @@ def verify_chain_sampling(
     q_x = q.gather(-1, idx).squeeze(-1)  # [B, k]
     u = torch.rand(B, k, generator=generator, device=p.device, dtype=torch.float32)
     accept = u * q_x < p_x  # [B, k]
+    if lengths is not None:
+        accept &= _within(lengths, k)
+        q = q * _within(lengths, k)[..., None]  # the position after a row's draft is a bonus: q = 0 there
     n_accepted = accept.long().cumprod(-1).sum(-1)  # [B]
 
     # The bonus position k has no draft: pad q with a zero row so that "max(0, p_k - 0)" = p_k and

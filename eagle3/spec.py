@@ -11,6 +11,11 @@ One cycle, chain (B rows; row b has n_b committed tokens in the target cache and
           catches up on pairs (target feature at n+j, token at n+j+1) for j = 0..a, the features of
           what was accepted, which puts it where the next cycle starts.
 
+Prompt lookup (`lookup=LookupConfig()`, chains only): each cycle, a row whose last tokens occurred earlier
+in its sequence (prompt + output) drafts the tokens that followed them (eagle3/lookup.py) instead of
+running the draft; rows without a match use the EAGLE-3 draft. Rows of one batch may mix the two: the
+verify pass takes the longest draft and each row accepts only within its own.
+
 Trees (EAGLE-2): expand `depth` levels, each level the `top_k` best nodes (by cumulative draft log-prob)
 get `top_k` children; the best `total_tokens` nodes are verified in one target pass with a tree
 attention mask; the accepted path is compacted in the target cache. At temperature > 0 the tree is a
@@ -29,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from eagle3.draft import Eagle3Draft
+from eagle3.lookup import LookupConfig, NgramIndex
 from eagle3.sampling import (
     SamplingParams,
     logits_to_probs,
@@ -57,6 +63,7 @@ class SpecStats:
     accepted: list[int] = field(default_factory=list)  # per cycle (row 0 for batches; see accepted_rows)
     accepted_rows: list[list[int]] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)  # k per cycle (trees: the depth)
+    lookup_rows: list[int] = field(default_factory=list)  # per cycle: rows whose draft was looked up
     tree_nodes: list[int] = field(default_factory=list)  # trees: draft nodes verified per cycle
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -80,7 +87,8 @@ class SpecDecoder:
     policy: an object with choose_k / record_draft / record_verify / record_acceptance (eagle3/tuner.py:
     FixedK, HeuristicK, DraftLengthTuner). tree: a TreeConfig to draft trees instead of chains (batch 1).
     compile_draft: torch.compile the one-token draft step (fixed shapes: it attends over the whole
-    preallocated draft cache, so changing k never recompiles).
+    preallocated draft cache, so changing k never recompiles). lookup: a LookupConfig to draft by prompt
+    lookup where the sequence repeats itself, the EAGLE-3 draft elsewhere (chains only).
     """
 
     def __init__(
@@ -91,7 +99,10 @@ class SpecDecoder:
         policy=None,
         tree: TreeConfig | None = None,
         compile_draft: bool = False,
+        lookup: LookupConfig | None = None,
     ):
+        if tree is not None and lookup is not None:
+            raise ValueError("prompt lookup drafts chains; it does not combine with tree drafting")
         if draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(
                 f"draft vocab_size {draft.config.vocab_size} != target vocab_size {target.config.vocab_size}"
@@ -106,6 +117,7 @@ class SpecDecoder:
         self.max_len = max_len
         self.policy = policy if policy is not None else FixedK(4)
         self.tree = tree
+        self.lookup = lookup
         self.compile_draft = compile_draft
         self.d2t_ids = draft.draft_to_target_ids  # [V'] draft id -> target id
         self._caches(1)
@@ -188,13 +200,24 @@ class SpecDecoder:
         stats.prefill_seconds = ttft
 
         outs = [[int(t)] for t in last.tolist()]
+        index = None
+        if self.lookup is not None:
+            index = [NgramIndex(self.lookup, list(p) + o) for p, o in zip(prompts, outs)]
         stop = set(stop_ids)
         done = [o[-1] in stop for o in outs]
         while not all(done) and min(len(o) for o in outs) < max_new_tokens:
             if self.tree is not None:
                 emitted, h, last = self._tree_cycle(h, last, sampling, generator, stats)
             else:
-                emitted, h, last = self._chain_cycle(h, last, sampling, generator, stats)
+                proposals = None
+                if (
+                    index is not None
+                ):  # None: the row has no match (EAGLE-3 drafts); finished rows draft nothing
+                    proposals = [[] if done[b] else (index[b].propose() or None) for b in range(B)]
+                emitted, h, last = self._chain_cycle(h, last, sampling, generator, stats, proposals)
+                if index is not None:
+                    for ix, e in zip(index, emitted):
+                        ix.extend(e)
             for b in range(B):
                 if done[b]:
                     continue
@@ -214,40 +237,70 @@ class SpecDecoder:
     def _max_draft(self) -> int:
         if self.tree is not None:
             return self.tree.total_tokens + 1
-        return max(getattr(self.policy, "choices", [getattr(self.policy, "k", 8)]) + [8])
+        k = max(getattr(self.policy, "choices", [getattr(self.policy, "k", 8)]) + [8])
+        return max(k, self.lookup.max_tokens) if self.lookup is not None else k
 
-    def _chain_cycle(self, h, last, sampling, generator, stats):
+    def _chain_cycle(self, h, last, sampling, generator, stats, proposals=None):
+        """One chain cycle. proposals (prompt lookup): per row a list of copied draft tokens, [] for no
+        draft, or None where the EAGLE-3 draft should draft; without it every row uses the draft."""
         greedy = sampling is None or sampling.greedy
         dev = last.device
-        k = int(self.policy.choose_k())
+        B = last.shape[0]
         n = self.tcache.lengths.clone()
+        if proposals is None:
+            proposals = [None] * B
+        use_draft = [p is None for p in proposals]
         t0 = time.perf_counter()
-        # draft k tokens
-        logits_d = self.draft.logits(h)[:, 0]  # [B, V']
+        k = int(self.policy.choose_k()) if any(use_draft) else 0
+        # draft k tokens (all rows, batched, when any row needs them)
         drafts, qs = [], []
-        h_step = h
-        for j in range(k):
-            if greedy:
-                d = self.d2t_ids[logits_d.argmax(-1)]
-            else:
-                q_d = self._draft_dist(logits_d, sampling)
-                d = self.d2t_ids[sample(q_d, generator)]
-                qs.append(self._to_full(q_d))
-            drafts.append(d)
-            if j + 1 < k:
-                h_step, logits_d = self._draft_step(d, h_step)
-        d_tokens = torch.stack(drafts, 1)  # [B, k]
+        if k:
+            logits_d = self.draft.logits(h)[:, 0]  # [B, V']
+            h_step = h
+            for j in range(k):
+                if greedy:
+                    d = self.d2t_ids[logits_d.argmax(-1)]
+                else:
+                    q_d = self._draft_dist(logits_d, sampling)
+                    d = self.d2t_ids[sample(q_d, generator)]
+                    qs.append(self._to_full(q_d))
+                drafts.append(d)
+                if j + 1 < k:
+                    h_step, logits_d = self._draft_step(d, h_step)
+        lens = [k if p is None else len(p) for p in proposals]
+        K = max(lens)
+        d_tokens = torch.zeros(B, K, dtype=torch.long, device=dev)
+        if k:
+            d_tokens[:, :k] = torch.stack(drafts, 1)
+        q_all = None
+        if not greedy and K:
+            V = self.target.config.vocab_size
+            q_all = torch.zeros(B, K, V, device=dev)
+            if k:
+                q_all[:, :k] = torch.stack(qs, 1)
+        copied = [b for b, p in enumerate(proposals) if p is not None]
+        for b in copied:  # a copied token is a draft with a one-hot distribution
+            p = proposals[b]
+            d_tokens[b] = 0
+            d_tokens[b, : len(p)] = torch.as_tensor(p, device=dev)
+            if q_all is not None:
+                q_all[b] = 0
+                q_all[b, torch.arange(len(p), device=dev), d_tokens[b, : len(p)]] = 1.0
+        lengths = None if all(x == K for x in lens) else torch.tensor(lens, device=dev)
         _sync(dev)
         t1 = time.perf_counter()
-        # verify all k+1 positions in one target pass
+        # verify all K+1 positions in one target pass
         out = self.target(
             torch.cat([last[:, None], d_tokens], 1), cache=self.tcache, feature_layers=self.feature_layers
         )
         if greedy:
-            acc, y = verify_chain_greedy(d_tokens, out.logits)
+            acc, y = verify_chain_greedy(d_tokens, out.logits, lengths)
         else:
             p = logits_to_probs(out.logits.float(), sampling)
-            acc, y = verify_chain_sampling(d_tokens, torch.stack(qs, 1), p, generator)
+            if K:
+                acc, y = verify_chain_sampling(d_tokens, q_all, p, generator, lengths)
+            else:
+                acc, y = torch.zeros(B, dtype=torch.long, device=dev), sample(p[:, 0], generator)
         self.tcache.truncate(n + acc + 1)
         _sync(dev)
         t2 = time.perf_counter()
@@ -259,14 +312,18 @@ class SpecDecoder:
         t3 = time.perf_counter()
 
         acc_l, y_l, d_l = acc.tolist(), y.tolist(), d_tokens.tolist()
-        emitted = [d_l[b][: acc_l[b]] + [y_l[b]] for b in range(len(acc_l))]
-        self.policy.record_draft(k, (t1 - t0) + (t3 - t2))
-        self.policy.record_verify(k + 1, t2 - t1)
-        self.policy.record_acceptance(k, acc_l if len(acc_l) > 1 else acc_l[0])
+        emitted = [d_l[b][: acc_l[b]] + [y_l[b]] for b in range(B)]
+        if k:
+            self.policy.record_draft(k, (t1 - t0) + (t3 - t2))
+        self.policy.record_verify(K + 1, t2 - t1)
+        if k:  # the draft's acceptance, from the rows it drafted for
+            drafted = [a for a, u in zip(acc_l, use_draft) if u]
+            self.policy.record_acceptance(k, drafted if len(drafted) > 1 else drafted[0])
         stats.cycles += 1
         stats.accepted.append(acc_l[0])
         stats.accepted_rows.append(acc_l)
-        stats.draft_lengths.append(k)
+        stats.draft_lengths.append(lens[0])
+        stats.lookup_rows.append(len(copied))
         stats.draft_seconds += (t1 - t0) + (t3 - t2)
         stats.verify_seconds += t2 - t1
         return emitted, h, y

@@ -10,6 +10,8 @@ the exit status 1); HF's methods are a different implementation, so their differ
 At temperature > 0 outputs differ by design; instead each method of ours passes a distribution check of
 the first token a speculative cycle emits against the target's exact marginal (eval/distcheck.py).
 Methods named <method>+fp8 run on an FP8 copy of the target (checked against ours-plain+fp8).
+Methods named eagle3-...+lookup draft by prompt lookup where the text repeats itself and with the EAGLE-3
+draft elsewhere (eagle3/lookup.py).
 
 Output: the config first, a progress bar, then the table; report.json (all records), report.md and plots
 in --out.
@@ -30,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 from eagle3.draft import load_draft
+from eagle3.lookup import LookupConfig
 from eagle3.sampling import SamplingParams
 from eagle3.spec import SpecDecoder, TreeConfig
 from eagle3.tuner import DraftLengthTuner, FixedK
@@ -49,8 +52,10 @@ ALL_METHODS = [
     "eagle3-k4",
     "eagle3-k5",
     "eagle3-tuned",
+    "eagle3-tuned+lookup",
     "eagle3-tree",
 ]
+LOOKUP_SUFFIX = "+lookup"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -99,12 +104,14 @@ def build_decoder(name: str, target, draft, max_len: int, args) -> Decoder | Spe
     """Our decoder for a method name (without the "+fp8" suffix)."""
     if name == "ours-plain":
         return Decoder(target, max_len=max_len)
+    lookup = LookupConfig() if name.endswith(LOOKUP_SUFFIX) else None
+    name = name.removesuffix(LOOKUP_SUFFIX)
     fixed_k = name.removeprefix("eagle3-k")
     if name not in ("eagle3-tuned", "eagle3-tree") and not (
         name.startswith("eagle3-k") and fixed_k.isdigit()
     ):
         raise ValueError(
-            f"unknown method {name!r}; known: {', '.join(ALL_METHODS)} (ours also with '{FP8_SUFFIX}')"
+            f"unknown method {name!r}; known: {', '.join(ALL_METHODS)} (eagle3 chains also with '{LOOKUP_SUFFIX}', ours with '{FP8_SUFFIX}')"
         )
     if draft is None:
         raise ValueError(f"method {name} needs a draft (--draft)")
@@ -116,7 +123,13 @@ def build_decoder(name: str, target, draft, max_len: int, args) -> Decoder | Spe
     else:
         policy = FixedK(int(fixed_k))
     return SpecDecoder(
-        target, draft, max_len=max_len, policy=policy, tree=tree, compile_draft=args.compile_draft
+        target,
+        draft,
+        max_len=max_len,
+        policy=policy,
+        tree=tree,
+        compile_draft=args.compile_draft,
+        lookup=lookup,
     )
 
 
@@ -143,6 +156,7 @@ class Runner:
         stats = {"seconds": g.seconds, "ttft": g.ttft, "cycles": s.cycles, "accepted": s.accepted}
         stats |= {"draft_lengths": s.draft_lengths, "draft_seconds": s.draft_seconds}
         stats["verify_seconds"] = s.verify_seconds
+        stats["lookup_cycles"] = sum(1 for n in s.lookup_rows if n)
         return g.tokens[0], stats
 
     def _run_hf(self, ids, max_new_tokens):
@@ -280,6 +294,7 @@ def main(argv=None) -> int:
                         draft_lengths=st.get("draft_lengths", []),
                         draft_seconds=st.get("draft_seconds", 0.0),
                         verify_seconds=st.get("verify_seconds", 0.0),
+                        lookup_cycles=st.get("lookup_cycles", 0),
                         peak_memory_mb=rss_mb(),
                         output_ids=new,
                         dtype=args.dtype,
@@ -291,7 +306,7 @@ def main(argv=None) -> int:
     greedy = sampling_params(args).greedy  # sampled outputs differ by design: checked in distribution instead
     summaries = summarise(records, baseline="ours-plain", hf_baseline="hf-generate", compare_outputs=greedy)
     for m, r in runners.items():
-        if m.removesuffix(FP8_SUFFIX) == "eagle3-tuned":
+        if m.removesuffix(FP8_SUFFIX).removesuffix(LOOKUP_SUFFIX) == "eagle3-tuned":
             config["tuner" + m.removeprefix("eagle3-tuned")] = _jsonable(r.dec.policy.summary())
     checks = []
     if not greedy and args.dist_samples > 0:

@@ -54,6 +54,7 @@ class RunRecord:
     draft_lengths: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    lookup_cycles: int = 0  # cycles whose draft was copied by prompt lookup (eagle3/lookup.py)
     peak_memory_mb: float = 0.0
     output_ids: list[int] = field(default_factory=list)
     dtype: str = ""
@@ -65,7 +66,7 @@ class RunRecord:
         where = f"RunRecord(method={self.method!r}, prompt_id={self.prompt_id!r}, turn={self.turn})"
         if not isinstance(self.method, str) or not self.method:
             raise ValueError(f"{where}: field 'method' must be a non-empty string")
-        for name in ("turn", "new_tokens", "cycles"):
+        for name in ("turn", "new_tokens", "cycles", "lookup_cycles"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{where}: field {name!r} must be an int >= 0, got {value!r}")
@@ -75,6 +76,8 @@ class RunRecord:
                 raise ValueError(f"{where}: field {name!r} must be a finite number >= 0, got {value!r}")
         if self.seconds <= 0:
             raise ValueError(f"{where}: field 'seconds' must be > 0 (tokens/s divides by it)")
+        if self.lookup_cycles > self.cycles:
+            raise ValueError(f"{where}: lookup_cycles ({self.lookup_cycles}) > cycles ({self.cycles})")
         if len(self.accepted) != self.cycles or len(self.draft_lengths) != self.cycles:
             raise ValueError(
                 f"{where}: 'accepted' ({len(self.accepted)}) and 'draft_lengths' "
@@ -127,6 +130,7 @@ class MethodSummary:
     mismatch_details: list[dict]  # {"prompt_id", "turn", "index"} per differing output
     first_mismatch_index: int | None  # token index of the first difference in the first mismatch
     reference: str = ""  # the method whose outputs the mismatches are counted against ("" = baseline)
+    lookup_share: float | None = None  # share of cycles drafted by prompt lookup (None: no lookup)
 
     @classmethod
     def from_dict(cls, data: dict) -> MethodSummary:
@@ -258,6 +262,9 @@ def _summarise_method(
         mismatch_details=details,
         first_mismatch_index=first_index,
         reference=ref_method,
+        lookup_share=sum(r.lookup_cycles for r in mine) / cycles
+        if any(r.lookup_cycles for r in mine)
+        else None,
     )
 
 
@@ -313,7 +320,8 @@ def table_rows(summaries: Sequence[MethodSummary]) -> tuple[list[str], list[list
     k_max = max((len(s.accept_rates) for s in summaries), default=0)
     header = ["method", "tok/s", "x plain", "x HF", "tau"]
     header += [f"accept@{i}" for i in range(1, k_max + 1)]
-    header += ["draft share", "TTFT (s)", "peak MB", "mismatches"]
+    lookup = any(s.lookup_share is not None for s in summaries)
+    header += ["draft share"] + (["lookup"] if lookup else []) + ["TTFT (s)", "peak MB", "mismatches"]
     rows = []
     for s in summaries:
         accept = [_fmt(s.accept_rates[i], ".2f") if i < len(s.accept_rates) else "-" for i in range(k_max)]
@@ -330,6 +338,7 @@ def table_rows(summaries: Sequence[MethodSummary]) -> tuple[list[str], list[list
             + [_fmt(s.tau, ".2f")]
             + accept
             + [_fmt(None if s.draft_share is None else 100 * s.draft_share, ".1f", "%")]
+            + ([_fmt(None if s.lookup_share is None else 100 * s.lookup_share, ".0f", "%")] if lookup else [])
             + [_fmt(s.mean_ttft, ".3f"), _fmt(s.peak_memory_mb, ".1f"), mismatches]
         )
     return header, rows

@@ -394,3 +394,21 @@ def test_tree_without_children_samples_the_target():
     assert all(a.numel() == 0 for a, _ in draws)
     freq = torch.bincount(torch.stack([n for _, n in draws]), minlength=3).float() / 2000
     assert _tv(freq, p[0]) < _tv_bound(2000, v=3)
+
+
+def test_chain_verifiers_respect_per_row_lengths():
+    """Padding past a row's draft length is never accepted, even where it equals the target's choice, and
+    the next token comes from the position right after the row's draft."""
+    logits = torch.full((2, 4, 8), -5.0)
+    top = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 0]])
+    logits.scatter_(-1, top[..., None], 5.0)
+    draft = torch.tensor([[1, 2, 3], [5, 6, 7]])  # both rows fully match the target
+    n, nxt = verify_chain_greedy(draft, logits)
+    assert n.tolist() == [3, 3] and nxt.tolist() == [4, 0]
+    n, nxt = verify_chain_greedy(draft, logits, torch.tensor([1, 3]))
+    assert n.tolist() == [1, 3] and nxt.tolist() == [2, 0]
+    # sampling with one-hot p and q: deterministic; the bonus after a short row is p at its length
+    p = torch.softmax(logits * 100, -1)
+    q = torch.nn.functional.one_hot(draft, 8).float()
+    n, nxt = verify_chain_sampling(draft, q, p, torch.Generator().manual_seed(0), torch.tensor([2, 0]))
+    assert n.tolist() == [2, 0] and nxt.tolist() == [3, 5]

@@ -158,7 +158,7 @@ def empirical(tokens, V):
 N_ROWS, V_SMALL, TV_BOUND = 3000, 16, 0.075
 
 
-def accept_all(draft_tokens, draft_probs, target_probs, generator=None):
+def accept_all(draft_tokens, draft_probs, target_probs, generator=None, lengths=None):
     """A wrong chain verification rule (negative control): accept every draft token, then sample the bonus."""
     k = draft_tokens.shape[1]
     return torch.full_like(draft_tokens[:, 0], k), torch.multinomial(

@@ -1,0 +1,141 @@
+"""Prompt lookup: the n-gram index proposes what a scan of the sequence finds, and decoding with it stays
+identical to plain decoding (greedy) and to the target's distribution (sampling)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from eagle3.lookup import LookupConfig, NgramIndex, propose_brute_force
+from eagle3.sampling import SamplingParams
+from eagle3.spec import SpecDecoder, TreeConfig
+from eagle3.tuner import DraftLengthTuner, FixedK
+from maverick.generate import Decoder
+from tests.test_spec import N_ROWS, TV_BOUND, V_SMALL, empirical, exact_marginals, make_draft, make_target
+
+
+def test_propose_hand_made():
+    cfg = LookupConfig(max_ngram=3, min_ngram=2, max_tokens=10)
+    # suffix (9, 1, 2) never occurred before; (1, 2) did, ending at index 1: copy what followed it
+    assert NgramIndex(cfg, [1, 2, 3, 9, 1, 2]).propose() == [3, 9, 1, 2]
+    # the most recent earlier occurrence wins, and the longest suffix first
+    assert NgramIndex(cfg, [5, 1, 2, 7, 1, 2, 8, 1, 2]).propose() == [8, 1, 2]
+    assert NgramIndex(cfg, [4, 1, 2, 7, 5, 1, 2, 8, 5, 1, 2]).propose() == [8, 5, 1, 2]
+    assert NgramIndex(cfg, [1, 2, 3, 4]).propose() == []  # nothing recurs
+    assert NgramIndex(cfg, [1, 1]).propose() == []  # a 1-gram match is below min_ngram
+    assert NgramIndex(LookupConfig(min_ngram=1), [1, 1]).propose() == [1]
+    assert NgramIndex(cfg, [1, 2, 3, 4, 5, 1, 2]).propose(2) == [3, 4]
+
+
+@pytest.mark.parametrize("cfg", [LookupConfig(), LookupConfig(4, 1, 5), LookupConfig(2, 2, 16)])
+def test_index_equals_brute_force_while_growing(cfg):
+    rng = random.Random(0)
+    for vocab in (3, 6, 20):
+        seq = [rng.randrange(vocab) for _ in range(5)]
+        index = NgramIndex(cfg, seq)
+        for _ in range(120):
+            assert index.propose() == propose_brute_force(index.tokens, cfg)
+            step = [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))]
+            index.extend(step)
+            seq += step
+        assert index.tokens == seq
+
+
+@pytest.mark.parametrize("kw", [dict(min_ngram=0), dict(min_ngram=3, max_ngram=2), dict(max_tokens=0)])
+def test_config_rejects_bad_values(kw):
+    with pytest.raises(ValueError, match="LookupConfig"):
+        LookupConfig(**kw)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target(vocab_size=64)
+
+
+def repetitive_prompts():
+    """Prompts that repeat themselves, so lookup finds matches (and the random target's greedy output
+    tends to loop too), and one without repeats."""
+    a = [5, 9, 13, 21, 8, 30, 2, 44]
+    return [a * 3 + [5, 9], [7, 11, 19, 23, 29, 31, 37, 41, 43, 47, 53], a[:4] * 4]
+
+
+@pytest.mark.parametrize("policy", [lambda: FixedK(3), lambda: DraftLengthTuner()])
+def test_lookup_greedy_identical_to_plain(target, policy):
+    ps = repetitive_prompts()
+    refs = [Decoder(target, max_len=160).generate([p], 40).tokens[0] for p in ps]
+    copied_accepted, copied_lengths = 0, set()
+    for p, ref in zip(ps, refs):
+        dec = SpecDecoder(target, make_draft(target), max_len=160, policy=policy(), lookup=LookupConfig())
+        got = dec.generate([p], 40)
+        assert got.tokens[0] == ref
+        st = got.stats["spec"]
+        copied_accepted += sum(a for a, n in zip(st.accepted, st.lookup_rows) if n)
+        copied_lengths |= {k for k, n in zip(st.draft_lengths, st.lookup_rows) if n}
+    assert copied_accepted > 0  # copied tokens were accepted
+    assert len(copied_lengths) > 1  # copies of several lengths (one as long as max_tokens) were verified
+    # batched: rows mix copied drafts of different lengths with the EAGLE-3 draft in one verify pass
+    dec = SpecDecoder(target, make_draft(target), max_len=160, policy=policy(), lookup=LookupConfig())
+    got = dec.generate(ps, 40)
+    assert got.tokens == refs
+    assert any(0 < n < len(ps) for n in got.stats["spec"].lookup_rows)  # some cycles mixed both
+
+
+def test_lookup_does_not_combine_with_trees(target):
+    with pytest.raises(ValueError, match="lookup"):
+        SpecDecoder(target, make_draft(target), tree=TreeConfig(), lookup=LookupConfig())
+
+
+def test_lookup_sampling_is_lossless():
+    """min_ngram=1 on a 16-token vocabulary: most rows find a match, some do not, so the batch mixes copied
+    (one-hot) drafts and EAGLE-3 drafts of other lengths; the 2nd and 3rd tokens must follow the target's
+    exact marginals (bound as in tests/test_spec.py). Checked by mutation: verifying the copied tokens
+    with q = 0 instead of one-hot (accept whenever p > 0) gives TV 0.14 / 0.30 here."""
+    sampling = SamplingParams(1.0)
+    t = make_target(std=0.6, seed=5, vocab_size=V_SMALL)
+    d = make_draft(t, std=0.6, seed=6)
+    prompt = [14, 3, 14, 7, 1, 9, 4]  # the target's likely first tokens occur in it
+    p2, p3 = exact_marginals(t, prompt, sampling, V_SMALL)
+    dec = SpecDecoder(t, d, max_len=48, policy=FixedK(2), lookup=LookupConfig(max_ngram=2, min_ngram=1))
+    gen = dec.generate([prompt] * N_ROWS, 3, sampling=sampling, generator=torch.Generator().manual_seed(0))
+    e2 = empirical([r[1] for r in gen.tokens], V_SMALL)
+    e3 = empirical([r[2] for r in gen.tokens], V_SMALL)
+    tv2, tv3 = 0.5 * float((e2 - p2).abs().sum()), 0.5 * float((e3 - p3).abs().sum())
+    assert tv2 < TV_BOUND and tv3 < TV_BOUND, (tv2, tv3)
+    st = gen.stats["spec"]
+    assert 0.3 * N_ROWS < st.lookup_rows[0] < 0.9 * N_ROWS  # the first cycle mixed copied and drafted rows
+    assert sum(st.accepted_rows[0]) > 0.3 * N_ROWS  # and drafts were accepted
+
+
+def test_bench_method_names(target):
+    from types import SimpleNamespace
+
+    from eval.bench import build_decoder
+
+    args = SimpleNamespace(compile_draft=False, temperature=0.0, top_k=0, top_p=1.0, tree_depth=5,
+                           tree_top_k=6, tree_tokens=24)  # fmt: skip
+    d = make_draft(target)
+    dec = build_decoder("eagle3-tuned+lookup", target, d, 64, args)
+    assert dec.lookup == LookupConfig() and isinstance(dec.policy, DraftLengthTuner)
+    dec = build_decoder("eagle3-k3+lookup", target, d, 64, args)
+    assert dec.lookup == LookupConfig() and dec.policy.k == 3
+    assert build_decoder("eagle3-k3", target, d, 64, args).lookup is None
+    with pytest.raises(ValueError, match="lookup"):
+        build_decoder("eagle3-tree+lookup", target, d, 64, args)
+
+
+def test_report_lookup_share():
+    from eval.report import RunRecord, summarise, table_rows
+
+    def rec(method, accepted, lookup_cycles=0):
+        return RunRecord(method, "1", 0, len(accepted) + sum(accepted), 1.0, 0.1, cycles=len(accepted),
+                         accepted=accepted, draft_lengths=[10] * len(accepted), lookup_cycles=lookup_cycles)  # fmt: skip
+
+    s = summarise([rec("ours-plain", []), rec("a", [0, 2, 10, 0]), rec("b", [0, 2, 10, 0], lookup_cycles=3)])
+    assert [x.lookup_share for x in s] == [None, None, 0.75]
+    header, rows = table_rows(s)
+    col = header.index("lookup")
+    assert [r[col] for r in rows] == ["-", "-", "75%"]
+    with pytest.raises(ValueError, match="lookup_cycles"):
+        rec("c", [1], lookup_cycles=2)
