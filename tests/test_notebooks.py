@@ -221,6 +221,8 @@ def test_01_quickstart(tmp_path, monkeypatch):
     assert r["speedup"] == pytest.approx(r["spec_tokens_per_s"] / r["plain_tokens_per_s"], rel=1e-12)
     assert 1.0 <= r["tau"] <= r["k"] + 1
     assert 1 <= r["new_tokens"] <= 32 and 1 <= r["cycles"] < r["new_tokens"]
+    assert r["lookup_tokens_per_s"] > 0 and r["lookup_tau"] >= 1.0
+    assert 0 <= r["lookup_cycles"] <= r["new_tokens"]
 
 
 def test_02_train_draft(tmp_path, monkeypatch):
