@@ -209,10 +209,9 @@ class SpecDecoder:
             if self.tree is not None:
                 emitted, h, last = self._tree_cycle(h, last, sampling, generator, stats)
             else:
+                # per row: the copied tokens, None (no match: the EAGLE-3 draft drafts) or [] (finished)
                 proposals = None
-                if (
-                    index is not None
-                ):  # None: the row has no match (EAGLE-3 drafts); finished rows draft nothing
+                if index is not None:
                     proposals = [[] if done[b] else (index[b].propose() or None) for b in range(B)]
                 emitted, h, last = self._chain_cycle(h, last, sampling, generator, stats, proposals)
                 if index is not None:
@@ -313,10 +312,10 @@ class SpecDecoder:
 
         acc_l, y_l, d_l = acc.tolist(), y.tolist(), d_tokens.tolist()
         emitted = [d_l[b][: acc_l[b]] + [y_l[b]] for b in range(B)]
-        if k:
+        if any(use_draft):  # the policy learns the draft's costs and acceptance from the rows it drafted for
             self.policy.record_draft(k, (t1 - t0) + (t3 - t2))
         self.policy.record_verify(K + 1, t2 - t1)
-        if k:  # the draft's acceptance, from the rows it drafted for
+        if any(use_draft):
             drafted = [a for a, u in zip(acc_l, use_draft) if u]
             self.policy.record_acceptance(k, drafted if len(drafted) > 1 else drafted[0])
         stats.cycles += 1

@@ -139,3 +139,17 @@ def test_report_lookup_share():
     assert [r[col] for r in rows] == ["-", "-", "75%"]
     with pytest.raises(ValueError, match="lookup_cycles"):
         rec("c", [1], lookup_cycles=2)
+
+
+def test_lookup_alone_without_the_draft(target):
+    """FixedK(0): only copied drafts; cycles without a match verify the last token alone (plain decoding)."""
+    ps = repetitive_prompts()
+    for p in ps:
+        ref = Decoder(target, max_len=160).generate([p], 40).tokens[0]
+        policy = FixedK(0)
+        dec = SpecDecoder(target, make_draft(target), max_len=160, policy=policy, lookup=LookupConfig())
+        got = dec.generate([p], 40)
+        assert got.tokens[0] == ref
+        st = got.stats["spec"]
+        assert all((k > 0) == bool(n) for k, n in zip(st.draft_lengths, st.lookup_rows))
+        assert policy.tokens == sum(a + 1 for a, n in zip(st.accepted, st.lookup_rows) if not n)
