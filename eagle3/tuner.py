@@ -17,22 +17,23 @@ positions beyond the first rejection say nothing. Each alpha is (prior + hits) /
 tries) over counts discounted by (1 - alpha_ema) per CYCLE, so a position rarely tried any more
 (deep positions once k shrank) forgets old traffic as fast as position 1 does and drifts back to
 its prior. The prior (worth two observations) of position 1 is optimistic (0.8); that of position
-j > 1 is the estimate at position j - 1. A flat optimistic prior at every position would make a
-weak draft look good at depth: with alpha_1 = 0.3, position 3 is reached in ~5% of cycles, too
-seldom for its evidence to outweigh 0.8, and the tuner kept choosing k = 7 for a draft whose best
-k is 1 (measured on MT-bench: 21.3 tok/s against 22.3 for fixed k = 3). Chained, a position
-nobody reaches looks as good as the last one measured, and when acceptance rises at position 1 the
-deeper ones follow, so longer drafts get tried again.
+j > 1 is the estimate at position j - 1. A flat optimistic prior at every position makes a weak
+draft look good at depth: with alpha = 0.33 / 0.25 at positions 1 / 2, position 3 is reached in ~8%
+of cycles, too seldom for its evidence to outweigh 0.8 (simulated with the shipped draft's profile
+and noisy costs: 0.977 of the best fixed k's goodput with the flat prior, 0.997 chained). Chained, a
+position nobody reaches looks as good as the last one measured, and when acceptance rises at
+position 1 the deeper ones follow, so longer drafts get tried again.
 
 Costs are EMAs per size. The first decisions sweep every k once, longest first (which also
 measures the acceptance at every position): a line through two neighbouring noisy sizes
-extrapolates to anything, and on a CPU the tuner that trusted one stayed at k = 7-8 for ~600
-cycles, leaving one step at a time through probes. `LinearCost` still predicts a size never
-measured by a least-squares line a + b * n through the measured sizes (with one measured size:
-proportional for the draft, flat for the verify, which is what the two look like on a GPU). The chosen k only measures its own
-neighbourhood, so every ``probe_every``-th decision deterministically tries a neighbour of the
-best k (alternately above and below): that is how the tuner notices that a longer draft became
-worthwhile after the acceptance rose.
+extrapolates to anything, and on MT-bench the tuner that trusted one stayed at k = 7-8 for ~600
+cycles, leaving one step at a time through probes (21.3 tok/s against 22.3 for fixed k = 3).
+`LinearCost` still predicts a size never measured by a least-squares line a + b * n through the
+measured sizes (with one measured size: proportional for the draft, flat for the verify, which is
+what the two look like on a GPU). The chosen k only measures its own neighbourhood, so every
+``probe_every``-th decision deterministically tries a neighbour of the best k (alternately above
+and below): that is how the tuner notices that a longer draft became worthwhile after the
+acceptance rose.
 
 Tree drafts have no per-position model that would survive dynamic trees, so tree configurations
 (e.g. total-token budgets) are compared directly: EMA of tokens per cycle over EMA of seconds per
