@@ -17,15 +17,17 @@ from tests.test_spec import N_ROWS, TV_BOUND, V_SMALL, empirical, exact_marginal
 
 
 def test_propose_hand_made():
-    cfg = LookupConfig(max_ngram=3, min_ngram=2, max_tokens=10)
-    # suffix (9, 1, 2) never occurred before; (1, 2) did, ending at index 1: copy what followed it
-    assert NgramIndex(cfg, [1, 2, 3, 9, 1, 2]).propose() == [3, 9, 1, 2]
+    cfg = LookupConfig(max_ngram=3, min_ngram=2, max_tokens=6)
+    # suffix (9, 1, 2) never occurred before; (1, 2) did, ending at index 1: copy what followed it, and
+    # past the end of the sequence the copy reads on into itself (the loop 3 9 1 2 continues)
+    assert NgramIndex(cfg, [1, 2, 3, 9, 1, 2]).propose() == [3, 9, 1, 2, 3, 9]
     # the most recent earlier occurrence wins, and the longest suffix first
-    assert NgramIndex(cfg, [5, 1, 2, 7, 1, 2, 8, 1, 2]).propose() == [8, 1, 2]
-    assert NgramIndex(cfg, [4, 1, 2, 7, 5, 1, 2, 8, 5, 1, 2]).propose() == [8, 5, 1, 2]
+    assert NgramIndex(cfg, [5, 1, 2, 7, 1, 2, 8, 1, 2]).propose() == [8, 1, 2, 8, 1, 2]
+    assert NgramIndex(cfg, [4, 1, 2, 7, 5, 1, 2, 8, 5, 1, 2]).propose() == [8, 5, 1, 2, 8, 5]
+    assert NgramIndex(cfg, [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]).propose() == [3, 4, 5, 6, 7, 8]  # no wrap
     assert NgramIndex(cfg, [1, 2, 3, 4]).propose() == []  # nothing recurs
     assert NgramIndex(cfg, [1, 1]).propose() == []  # a 1-gram match is below min_ngram
-    assert NgramIndex(LookupConfig(min_ngram=1), [1, 1]).propose() == [1]
+    assert NgramIndex(LookupConfig(min_ngram=1, max_tokens=3), [1, 1]).propose() == [1, 1, 1]
     assert NgramIndex(cfg, [1, 2, 3, 4, 5, 1, 2]).propose(2) == [3, 4]
 
 
@@ -74,7 +76,7 @@ def test_lookup_greedy_identical_to_plain(target, policy):
         copied_accepted += sum(a for a, n in zip(st.accepted, st.lookup_rows) if n)
         copied_lengths |= {k for k, n in zip(st.draft_lengths, st.lookup_rows) if n}
     assert copied_accepted > 0  # copied tokens were accepted
-    assert len(copied_lengths) > 1  # copies of several lengths (one as long as max_tokens) were verified
+    assert copied_lengths == {LookupConfig().max_tokens}  # a copy always fills max_tokens (it wraps around)
     # batched: rows mix copied drafts of different lengths with the EAGLE-3 draft in one verify pass
     dec = SpecDecoder(target, make_draft(target), max_len=160, policy=policy(), lookup=LookupConfig())
     got = dec.generate(ps, 40)
