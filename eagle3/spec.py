@@ -70,6 +70,11 @@ class SpecStats:
     prefill_seconds: float = 0.0
 
     @property
+    def lookup_cycles(self) -> int:
+        """Cycles in which some row's draft was copied by prompt lookup."""
+        return sum(1 for n in self.lookup_rows if n)
+
+    @property
     def tau(self) -> float:
         """Acceptance length: accepted draft tokens + 1 per cycle."""
         acc = [a for row in self.accepted_rows for a in row] or self.accepted

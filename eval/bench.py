@@ -156,7 +156,7 @@ class Runner:
         stats = {"seconds": g.seconds, "ttft": g.ttft, "cycles": s.cycles, "accepted": s.accepted}
         stats |= {"draft_lengths": s.draft_lengths, "draft_seconds": s.draft_seconds}
         stats["verify_seconds"] = s.verify_seconds
-        stats["lookup_cycles"] = sum(1 for n in s.lookup_rows if n)
+        stats["lookup_cycles"] = s.lookup_cycles
         return g.tokens[0], stats
 
     def _run_hf(self, ids, max_new_tokens):

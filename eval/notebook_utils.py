@@ -224,7 +224,7 @@ def run_record(
             draft_lengths=list(spec.draft_lengths),
             draft_seconds=spec.draft_seconds,
             verify_seconds=spec.verify_seconds,
-            lookup_cycles=sum(1 for r in spec.lookup_rows if r),
+            lookup_cycles=spec.lookup_cycles,
         )
     return RunRecord(
         method=method,
