@@ -82,20 +82,3 @@ def _copy(seq: Sequence[int], start: int, n: int) -> list[int]:
     while len(out) < n:
         out.append(out[len(out) - (len(seq) - start)])
     return out
-
-
-def propose_brute_force(tokens: Sequence[int], config: LookupConfig) -> list[int]:
-    """What `NgramIndex.propose` returns, by scanning (the reference the tests compare against)."""
-    seq = list(tokens)
-    for g in range(config.max_ngram, config.min_ngram - 1, -1):
-        if len(seq) < g + 1:
-            continue
-        suffix = seq[-g:]
-        for end in range(len(seq) - 2, g - 2, -1):  # most recent first; the suffix itself excluded
-            if seq[end - g + 1 : end + 1] == suffix:
-                out, i = [], end + 1  # the copy reads on into what it has copied
-                while len(out) < config.max_tokens:
-                    out.append(seq[i] if i < len(seq) else out[i - len(seq)])
-                    i += 1
-                return out
-    return []

@@ -8,12 +8,29 @@ import random
 import pytest
 import torch
 
-from eagle3.lookup import LookupConfig, NgramIndex, propose_brute_force
+from eagle3.lookup import LookupConfig, NgramIndex
 from eagle3.sampling import SamplingParams
 from eagle3.spec import SpecDecoder, TreeConfig
 from eagle3.tuner import DraftLengthTuner, FixedK
 from maverick.generate import Decoder
 from tests.test_spec import N_ROWS, TV_BOUND, V_SMALL, empirical, exact_marginals, make_draft, make_target
+
+
+def propose_brute_force(tokens, config):
+    """What `NgramIndex.propose` must return, by scanning the sequence (the reference)."""
+    seq = list(tokens)
+    for g in range(config.max_ngram, config.min_ngram - 1, -1):
+        if len(seq) < g + 1:
+            continue
+        suffix = seq[-g:]
+        for end in range(len(seq) - 2, g - 2, -1):  # most recent first; the suffix itself excluded
+            if seq[end - g + 1 : end + 1] == suffix:
+                out, i = [], end + 1  # the copy reads on into what it has copied
+                while len(out) < config.max_tokens:
+                    out.append(seq[i] if i < len(seq) else out[i - len(seq)])
+                    i += 1
+                return out
+    return []
 
 
 def test_propose_hand_made():
