@@ -99,9 +99,7 @@ class Decoder:
             self.step = torch.compile(self._step, dynamic=False)
 
     def _new_cache(self, batch_size: int, max_len: int) -> KVCache:
-        cache = self.model.new_cache(batch_size, max_len)
-        cache.exact = self.exact
-        return cache
+        return self.model.new_cache(batch_size, max_len, exact=self.exact)
 
     def _step(self, tokens: Tensor) -> Tensor:
         return self.model(tokens[:, None], cache=self.cache, logits="all").logits[:, -1]

@@ -71,8 +71,16 @@ class KVCache(nn.Module):
             return self.window
         return min(self.max_len, -(-need // 64) * 64)  # round up so shapes repeat
 
-    def write_index(self, n_new: int) -> tuple[Tensor, Tensor]:
-        """(rows [B, 1], slots [B, T]) where a call with n_new tokens writes; one per forward, shared by layers."""
+    @property
+    def _one_row(self) -> bool:
+        """A single row whose length the host knows (`bound`): writes are plain slices, no index tensors."""
+        return self.batch_size == 1 and self.slice_to_bound
+
+    def write_index(self, n_new: int) -> tuple[Tensor, Tensor] | None:
+        """(rows [B, 1], slots [B, T]) where a call with n_new tokens writes; one per forward, shared by layers.
+        None for a single row (`write` slices at `bound`)."""
+        if self._one_row:
+            return None
         dev = self.lengths.device
         return torch.arange(self.batch_size, device=dev)[:, None], self.lengths[:, None] + torch.arange(
             n_new, device=dev
@@ -88,10 +96,15 @@ class KVCache(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """Write k/v [B, Hkv, T, D] at slots lengths + arange(T) (`index`: `write_index(T)`, computed here
         when not given); return this layer's [B, Hkv, kv_len, D]."""
-        rows, slots = index if index is not None else self.write_index(k_new.shape[2])
-        # advanced indices (rows, slots) around a slice put their dims first: target is [B, T, Hkv, D]
-        self.k[layer][rows, :, slots] = k_new.transpose(1, 2).to(self.k.dtype)
-        self.v[layer][rows, :, slots] = v_new.transpose(1, 2).to(self.v.dtype)
+        if self._one_row:  # lengths[0] == bound: a slice assignment, cheaper than index_put
+            s, T = self.bound, k_new.shape[2]
+            self.k[layer, 0, :, s : s + T] = k_new[0]
+            self.v[layer, 0, :, s : s + T] = v_new[0]
+        else:
+            rows, slots = index if index is not None else self.write_index(k_new.shape[2])
+            # advanced indices (rows, slots) around a slice put their dims first: target is [B, T, Hkv, D]
+            self.k[layer][rows, :, slots] = k_new.transpose(1, 2).to(self.k.dtype)
+            self.v[layer][rows, :, slots] = v_new.transpose(1, 2).to(self.v.dtype)
         return self.k[layer, :, :, :kv_len], self.v[layer, :, :, :kv_len]
 
     def advance(self, n: int) -> None:
@@ -112,6 +125,8 @@ class KVCache(nn.Module):
     def select_rows(self, rows: Tensor) -> None:
         """Keep only these batch rows (in this order): batched jobs drop finished rows to save their work."""
         self.k, self.v, self.lengths = self.k[:, rows], self.v[:, rows], self.lengths[rows]
+        if self.slice_to_bound:
+            self.bound = int(self.lengths.max()) if len(rows) else 0
 
     def compact(self, start: Tensor, keep_idx: Tensor, n_keep: Tensor) -> None:
         """Keep accepted tree nodes: slot start+keep_idx[b, j] -> start+j for j < n_keep[b].

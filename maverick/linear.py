@@ -19,17 +19,19 @@ in memory. Anything else (gradients, fp32, CUDA, `torch.compile`, no oneDNN) is 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 PACKED_MAX_ROWS = 64
 
-_packed: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> (key, packed copy)
-_packed_groups: WeakIdKeyDictionary = WeakIdKeyDictionary()  # first weight of a group -> (key, packed cat)
+# (id of the first weight, number of weights) -> (weakref to the first weight, key, packed copy). A plain dict
+# looked up by id is several us cheaper per call than a WeakIdKeyDictionary; the weakref's callback drops
+# the entry when the weight dies, and `key` catches a weight that was written or replaced.
+_packs: dict[tuple[int, int], tuple[weakref.ref, tuple, Tensor]] = {}
 
 
 def packing_supported() -> bool:
@@ -39,19 +41,23 @@ def packing_supported() -> bool:
 _SUPPORTED = packing_supported()
 
 
-def _cached_pack(cache: WeakIdKeyDictionary, weights: Sequence[Tensor]) -> Tensor:
-    key = tuple((id(w), w.data_ptr(), w._version) for w in weights)
-    hit = cache.get(weights[0])
-    if hit is None or hit[0] != key:
-        w = weights[0] if len(weights) == 1 else torch.cat(list(weights))
-        hit = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1))
-        cache[weights[0]] = hit
-    return hit[1]
+def _cached_pack(weights: Sequence[Tensor]) -> Tensor:
+    """The packed copy of `weights` concatenated on dim 0, made on first use, remade when one was written."""
+    w0 = weights[0]
+    slot = (id(w0), len(weights))
+    key = tuple([(id(w), w.data_ptr(), w._version) for w in weights])
+    hit = _packs.get(slot)
+    if hit is None or hit[0]() is not w0 or hit[1] != key:
+        w = w0 if len(weights) == 1 else torch.cat(list(weights))
+        ref = weakref.ref(w0, lambda _, slot=slot: _packs.pop(slot, None))
+        hit = (ref, key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1))
+        _packs[slot] = hit
+    return hit[2]
 
 
 def packed_weight(weight: Tensor) -> Tensor:
     """The oneDNN-packed copy of a 2-D bf16 CPU weight, made on first use, remade when it was written."""
-    return _cached_pack(_packed, [weight])
+    return _cached_pack([weight])
 
 
 def use_packed(x: Tensor, weight: Tensor) -> bool:
@@ -79,15 +85,31 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
-def linears(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor]:
-    """`[layer(x) for layer in layers]`; when every layer is a bias-free `Linear` and the packed path applies,
-    one matmul on their concatenated packed weights (q/k/v, gate/up): fewer, larger calls, and each output
-    has the same bits as from its own layer (tests/test_linear.py)."""
+def _fusable(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor] | None:
+    """The layers' weights when every layer is a bias-free `Linear` and the packed path applies, else None."""
     ws = [getattr(layer, "weight", None) for layer in layers]
     if all(type(layer) is Linear and layer.bias is None for layer in layers) and all(
         use_packed(x, w) for w in ws
     ):
-        y = _packed_linear(x, _cached_pack(_packed_groups, ws), None)
+        return ws
+    return None
+
+
+def fused_linear(x: Tensor, layers: Sequence[nn.Module]) -> Tensor:
+    """`torch.cat([layer(x) for layer in layers], -1)`; when `_fusable`, one matmul on the layers'
+    concatenated packed weights (q/k/v, gate/up): fewer, larger calls, and each output column has the same
+    bits as from its own layer (tests/test_linear.py)."""
+    ws = _fusable(x, layers)
+    if ws is not None:
+        return _packed_linear(x, _cached_pack(ws), None)
+    return torch.cat([layer(x) for layer in layers], dim=-1)
+
+
+def linears(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor]:
+    """`[layer(x) for layer in layers]`, through `fused_linear` when the layers can share one matmul."""
+    ws = _fusable(x, layers)
+    if ws is not None:
+        y = _packed_linear(x, _cached_pack(ws), None)
         return list(y.split([w.shape[0] for w in ws], dim=-1))
     return [layer(x) for layer in layers]
 

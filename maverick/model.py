@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from maverick.config import Llama4Config
 from maverick.kv_cache import KVCache, attention_mask
-from maverick.linear import Linear, linears
+from maverick.linear import Linear, fused_linear
 
 
 def init_weights(module: nn.Module, std: float = 0.02, generator: torch.Generator | None = None) -> None:
@@ -66,12 +66,23 @@ def rope_inv_freq(cfg: Llama4Config) -> Tensor:
     return inv_freq
 
 
+def rope_tables(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    """cos and signed sin [B, T, 1, D] for `apply_rope`, in the interleaved layout: for the pair (2i, 2i+1)
+    at angle a, cos is (cos a, cos a) and sin is (-sin a, sin a)."""
+    freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
+    cos, sin = freqs.cos(), freqs.sin()
+    interleave = lambda a, b: torch.stack((a, b), -1).flatten(-2)[:, :, None]  # noqa: E731
+    return interleave(cos, cos), interleave(-sin, sin)
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Interleaved (complex-pair) RoPE: pairs (0,1), (2,3), ... rotate; x [B, T, h, D], cos/sin [B, T, 1, D/2]."""
+    """Interleaved (complex-pair) RoPE: each pair (x0, x1) = (x[2i], x[2i+1]) rotates to
+    (x0 cos - x1 sin, x1 cos + x0 sin), in fp32, cast back. x [B, T, h, D], cos/sin from `rope_tables`.
+    Written as x * cos + swap_pairs(x) * signed_sin: 4 ops instead of 10 for the same bits (x1 * -sin is
+    -(x1 * sin) exactly, and a + -b is a - b)."""
     xf = x.float()
-    x0, x1 = xf[..., 0::2], xf[..., 1::2]
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-    return out.type_as(x)
+    swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x1, x0) per pair
+    return (xf * cos + swapped * sin).type_as(x)
 
 
 class Attention(nn.Module):
@@ -96,14 +107,13 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, ctx: _Ctx) -> Tensor:
         B, T, _ = x.shape
-        q, k, v = linears(x, (self.q_proj, self.k_proj, self.v_proj))
-        q = q.view(B, T, self.n_heads, self.head_dim)
-        k = k.view(B, T, self.n_kv, self.head_dim)
-        v = v.view(B, T, self.n_kv, self.head_dim)
-        if self.use_rope:  # q and k heads side by side: one rotation instead of two (same numbers)
-            q, k = apply_rope(torch.cat((q, k), dim=2), ctx.cos, ctx.sin).split(
-                (self.n_heads, self.n_kv), dim=2
-            )
+        Hq, Hkv = self.n_heads, self.n_kv
+        qkv = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj)).view(B, T, Hq + 2 * Hkv, self.head_dim)
+        qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]  # q and k heads side by side: one rotation
+        if self.use_rope:
+            qk = apply_rope(qk, ctx.cos, ctx.sin)
+        q, k = qk[:, :, :Hq], qk[:, :, Hq:]
+        if self.use_rope:
             if self.qk_norm:  # weightless RMSNorm after RoPE, RoPE layers only
                 q, k = _rms(q, self.eps), _rms(k, self.eps)
         elif self.temperature_tuning:
@@ -120,7 +130,7 @@ class Attention(nn.Module):
         if ctx.tree_keys is not None:
             o = tree_attention(q, k, v, ctx.tree_keys, self.chunked and ctx.chunk, ctx.positions)
         elif T <= EXACT_ATTENTION_MAX_T and (ctx.cache is None or ctx.cache.exact):
-            o = exact_attention(q, k, v, mask)
+            o = exact_attention(q, k, v, ctx.chunk_bias if self.chunked else ctx.full_bias)
         else:  # a cache may hold bf16 values in fp32 (exact decoding): the cast back is lossless
             k, v = k.to(q.dtype), v.to(q.dtype)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
@@ -152,8 +162,8 @@ def tree_attention(
     mask = slot[None, :] <= pos[:, None]  # [T, S]
     if chunk:
         mask = mask & (slot[None, :] // chunk == pos[:, None] // chunk)
-    o = exact_attention(q[0].transpose(0, 1)[:, :, None], k_t, v_t, mask[:, None, None])  # [T, Hq, 1, D]
-    return o[:, :, 0].transpose(0, 1)[None]
+    o = exact_attention(q[0].transpose(0, 1)[:, :, None], k_t, v_t, additive(mask[:, None, None]))
+    return o[:, :, 0].transpose(0, 1)[None]  # o: [T, Hq, 1, D]
 
 
 def tree_key_slots(tree_mask: Tensor, start: int, kv_len: int) -> Tensor:
@@ -167,16 +177,22 @@ def tree_key_slots(tree_mask: Tensor, start: int, kv_len: int) -> Tensor:
     return keys
 
 
-def exact_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """Softmax attention in fp32. q [B, Hq, T, D], k/v [B, Hkv, S, D], mask [B, 1, T, S] -> [B, Hq, T, D].
-    GQA: query head h reads kv head h // (Hq // Hkv)."""
+def additive(mask: Tensor) -> Tensor:
+    """A boolean attention mask as the fp32 bias `exact_attention` adds: 0 where True, -inf where False."""
+    return torch.where(mask, 0.0, float("-inf"))
+
+
+def exact_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+    """Softmax attention in fp32. q [B, Hq, T, D], k/v [B, Hkv, S, D], bias [B, 1, T, S] (`additive`) ->
+    [B, Hq, T, D]. GQA: query head h reads kv head h // (Hq // Hkv), so the G = Hq // Hkv query heads of a
+    kv head are G*T rows of one matmul. Adding a 0 / -inf bias gives the bits of masking with -inf."""
     B, Hq, T, D = q.shape
-    Hkv = k.shape[1]
+    Hkv, S = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    q_f = q.float().reshape(B, Hkv, G * T, D)
-    scores = (q_f @ k.float().transpose(-1, -2)) * D**-0.5  # [B, Hkv, G*T, S]
-    scores = scores.view(B, Hkv, G, T, -1).masked_fill(~mask[:, :, None], float("-inf")).softmax(-1)
-    o = scores.view(B, Hkv, G * T, -1) @ v.float()  # [B, Hkv, G*T, D]
+    q_f = q.float().reshape(B * Hkv, G * T, D)
+    scores = torch.bmm(q_f, k.float().reshape(B * Hkv, S, D).transpose(1, 2))  # [B*Hkv, G*T, S]
+    probs = scores.view(B, Hkv, G, T, S).mul_(D**-0.5).add_(bias[:, :, None]).softmax(-1)
+    o = torch.bmm(probs.view(B * Hkv, G * T, S), v.float().reshape(B * Hkv, S, D))  # [B*Hkv, G*T, D]
     return o.view(B, Hq, T, D).to(q.dtype)
 
 
@@ -190,8 +206,9 @@ class MLP(nn.Module):
         self.down_proj = Linear(I, H, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = linears(x, (self.gate_proj, self.up_proj))
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = fused_linear(x, (self.gate_proj, self.up_proj))
+        I = gate_up.shape[-1] // 2
+        return self.down_proj(F.silu(gate_up[..., :I]) * gate_up[..., I:])
 
 
 class Experts(nn.Module):
@@ -274,10 +291,13 @@ class _Ctx:
     """Per-forward state shared by every layer (computed once)."""
 
     positions: Tensor  # [B, T]
-    cos: Tensor
+    cos: Tensor  # [B, T, 1, D] (rope_tables)
     sin: Tensor
-    full_mask: Tensor
+    full_mask: Tensor  # [B, 1, T, S] bool
     chunk_mask: Tensor | None
+    # the masks as `additive` biases, for exact attention (T <= EXACT_ATTENTION_MAX_T)
+    full_bias: Tensor | None
+    chunk_bias: Tensor | None
     tree_keys: Tensor | None  # [T, S] per-node key layout for tree verification (see tree_attention)
     chunk: int | None
     cache: KVCache | None
@@ -324,17 +344,20 @@ class Llama4(nn.Module):
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
-    def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
+    def new_cache(
+        self, batch_size: int, max_len: int, dtype: torch.dtype | None = None, exact: bool = True
+    ) -> KVCache:
+        """exact: short calls use `exact_attention` (see the note there), and the cache stores fp32 by default:
+        keys and values are rounded to the model dtype before they are written, so fp32 holds them exactly
+        and the fp32 attention reads them without a cast per layer and step. exact=False: the fused
+        kernel, and the model dtype."""
         c = self.config
-        return KVCache(
-            c.num_hidden_layers,
-            batch_size,
-            max_len,
-            c.num_key_value_heads,
-            c.head_dim,
-            dtype or self.dtype,
-            self.device,
+        dtype = dtype or (torch.float32 if exact else self.dtype)
+        cache = KVCache(
+            c.num_hidden_layers, batch_size, max_len, c.num_key_value_heads, c.head_dim, dtype, self.device
         )
+        cache.exact = exact
+        return cache
 
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
         init_weights(self, std, generator)
@@ -366,12 +389,14 @@ class Llama4(nn.Module):
         chunked = None
         if any(cfg.is_chunked(i) for i in range(cfg.num_hidden_layers)):
             chunked = attention_mask(positions, start, kv_len, cfg.attention_chunk_size, tree_mask)
-        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+        cos, sin = rope_tables(positions, self.inv_freq)
+        exact = T <= EXACT_ATTENTION_MAX_T
         tree_keys = None
         if tree_mask is not None and cache is not None and B == 1 and T <= EXACT_ATTENTION_MAX_T:
             tree_keys = tree_key_slots(tree_mask, int(start[0]), kv_len)
         ctx = _Ctx(
-            positions, freqs.cos()[:, :, None], freqs.sin()[:, :, None], full, chunked, tree_keys,
+            positions, cos, sin, full, chunked, additive(full) if exact else None,
+            additive(chunked) if exact and chunked is not None else None, tree_keys,
             cfg.attention_chunk_size, cache, kv_len, cache.write_index(T) if cache is not None else None,
         )  # fmt: skip
 

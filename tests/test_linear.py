@@ -106,3 +106,31 @@ def test_linears_leaves_fp8_layers_to_themselves():
         a, b = linears(x, layers)
         torch.testing.assert_close(a, layers[0](x), rtol=0, atol=0)
         torch.testing.assert_close(b, layers[1](x), rtol=0, atol=0)
+
+
+def test_fused_linear_is_the_concatenation():
+    """fused_linear: the packed one-matmul path and the fallback (fp32 here) both equal cat of the layers."""
+    from maverick.linear import fused_linear
+
+    torch.manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float32):
+        layers = [Linear(64, o, bias=False).to(dtype) for o in (32, 16, 16)]
+        x = torch.randn(3, 64).to(dtype)
+        with torch.no_grad():
+            ref = torch.cat([layer(x) for layer in layers], dim=-1)
+            torch.testing.assert_close(fused_linear(x, layers), ref, rtol=0, atol=0)
+
+
+def test_packed_copies_die_with_their_weights():
+    import gc
+
+    from maverick import linear as L
+
+    layer = Linear(64, 32, bias=False).bfloat16()
+    with torch.no_grad():
+        layer(torch.randn(2, 64).bfloat16())
+    slot = (id(layer.weight), 1)
+    assert slot in L._packs
+    del layer
+    gc.collect()
+    assert slot not in L._packs

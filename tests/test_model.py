@@ -315,3 +315,57 @@ def test_rms_equals_the_written_out_formula(dtype):
     xf = x.float()
     ref = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
     torch.testing.assert_close(_rms(x, 1e-5), ref, rtol=0, atol=0)
+
+
+def test_rope_equals_the_pairwise_formula():
+    """apply_rope (x * cos + swapped pairs * signed sin) gives the bits of rotating each pair (x0, x1) to
+    (x0 cos - x1 sin, x0 sin + x1 cos), on a strided input like the fused q/k/v output it reads."""
+    from maverick.model import apply_rope, rope_inv_freq, rope_tables
+
+    cfg = tiny()
+    g = torch.Generator().manual_seed(0)
+    qkv = (torch.randn(2, 5, 7, cfg.head_dim, generator=g) * 3).bfloat16()
+    x = qkv[:, :, :5]  # not contiguous
+    positions = torch.randint(0, 5000, (2, 5), generator=g)
+    cos, sin = rope_tables(positions, rope_inv_freq(cfg))
+    freqs = positions[..., None].float() * rope_inv_freq(cfg)
+    c, s = freqs.cos()[:, :, None], freqs.sin()[:, :, None]
+    xf = x.float()
+    x0, x1 = xf[..., 0::2], xf[..., 1::2]
+    ref = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).bfloat16()
+    assert torch.equal(apply_rope(x, cos, sin), ref)
+
+
+def test_exact_attention_bias_equals_masking():
+    """exact_attention with an additive 0/-inf bias gives the bits of the masked_fill formulation, GQA included."""
+    from maverick.model import additive, exact_attention
+
+    g = torch.Generator().manual_seed(1)
+    B, Hq, Hkv, T, S, D = 2, 6, 2, 3, 40, 16
+    q = torch.randn(B, Hq, T, D, generator=g).bfloat16()
+    k, v = torch.randn(2, B, Hkv, S, D, generator=g)
+    mask = torch.rand(B, 1, T, S, generator=g) < 0.7
+    mask[..., 0] = True
+    qf = q.float().reshape(B, Hkv, (Hq // Hkv) * T, D)
+    scores = (qf @ k.transpose(-1, -2)) * D**-0.5
+    scores = scores.view(B, Hkv, Hq // Hkv, T, S).masked_fill(~mask[:, :, None], float("-inf")).softmax(-1)
+    ref = (scores.view(B, Hkv, -1, S) @ v).view(B, Hq, T, D).bfloat16()
+    assert torch.equal(exact_attention(q, k, v, additive(mask)), ref)
+
+
+def test_one_row_cache_writes_by_slice_like_the_batched_index():
+    """A one-row cache writes at `bound` with a slice; rows dropped from a batch leave `bound` right."""
+    from maverick.kv_cache import KVCache
+
+    g = torch.Generator().manual_seed(2)
+    one, two = KVCache(2, 1, 32, 2, 4), KVCache(2, 2, 32, 2, 4)
+    for c in (one, two):
+        c.truncate(torch.tensor([5] * c.batch_size))
+    assert one.write_index(3) is None and two.write_index(3) is not None
+    k, v = torch.randn(2, 1, 2, 3, 4, generator=g)
+    ko, vo = one.write(1, k, v, 16)
+    kt, vt = two.write(1, k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), 16)
+    assert torch.equal(ko[0], kt[0]) and torch.equal(vo[0], vt[1]) and torch.equal(one.k[1, 0, :, 5:8], k[0])
+    two.truncate(torch.tensor([9, 4]))
+    two.select_rows(torch.tensor([1]))
+    assert two.bound == 4 and int(two.lengths[0]) == 4
