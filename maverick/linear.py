@@ -41,7 +41,7 @@ def packing_supported() -> bool:
 _SUPPORTED = packing_supported()
 
 
-def _cached_pack(weights: Sequence[Tensor]) -> Tensor:
+def packed_weights(weights: Sequence[Tensor]) -> Tensor:
     """The packed copy of `weights` concatenated on dim 0, made on first use, remade when one was written."""
     w0 = weights[0]
     slot = (id(w0), len(weights))
@@ -57,7 +57,7 @@ def _cached_pack(weights: Sequence[Tensor]) -> Tensor:
 
 def packed_weight(weight: Tensor) -> Tensor:
     """The oneDNN-packed copy of a 2-D bf16 CPU weight, made on first use, remade when it was written."""
-    return _cached_pack([weight])
+    return packed_weights([weight])
 
 
 def use_packed(x: Tensor, weight: Tensor) -> bool:
@@ -73,7 +73,7 @@ def use_packed(x: Tensor, weight: Tensor) -> bool:
     )
 
 
-def _packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
     """x @ W^T + bias on a packed W, no fused activation ("none", no scalars, no algorithm)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
@@ -81,7 +81,7 @@ def _packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear`, through the packed weight when `use_packed` says so (same result, see module docstring)."""
     if use_packed(x, weight):
-        return _packed_linear(x, packed_weight(weight), bias)
+        return packed_linear(x, packed_weight(weight), bias)
     return F.linear(x, weight, bias)
 
 
@@ -101,7 +101,7 @@ def fused_linear(x: Tensor, layers: Sequence[nn.Module]) -> Tensor:
     bits as from its own layer (tests/test_linear.py)."""
     ws = _fusable(x, layers)
     if ws is not None:
-        return _packed_linear(x, _cached_pack(ws), None)
+        return packed_linear(x, packed_weights(ws), None)
     return torch.cat([layer(x) for layer in layers], dim=-1)
 
 
@@ -109,7 +109,7 @@ def linears(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor]:
     """`[layer(x) for layer in layers]`, through `fused_linear` when the layers can share one matmul."""
     ws = _fusable(x, layers)
     if ws is not None:
-        y = _packed_linear(x, _cached_pack(ws), None)
+        y = packed_linear(x, packed_weights(ws), None)
         return list(y.split([w.shape[0] for w in ws], dim=-1))
     return [layer(x) for layer in layers]
 

@@ -369,3 +369,44 @@ def test_one_row_cache_writes_by_slice_like_the_batched_index():
     two.truncate(torch.tensor([9, 4]))
     two.select_rows(torch.tensor([1]))
     assert two.bound == 4 and int(two.lengths[0]) == 4
+
+
+def test_flat_layers_give_the_bits_of_the_modules(monkeypatch):
+    """Decoding and verifying on the packed bf16 path runs DecoderLayer.forward_flat; with it switched off
+    (the submodules' forward), the logits and features are the same bits, for 1 and 2 rows, 1 and 5 tokens.
+    Layers it does not cover (MoE, chunked, QK norm) leave the whole call to the modules."""
+    from maverick import model as M
+    from maverick.linear import packing_supported
+
+    if not packing_supported():
+        pytest.skip("no oneDNN bf16 on this CPU")
+    torch.manual_seed(0)
+    dense = Llama4(get_config("tiny-dense"))
+    dense.init_weights(generator=torch.Generator().manual_seed(1))
+    moe = Llama4(tiny())
+    moe.init_weights(generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # norms away from 1, so a norm weight left out would show
+        for name, p in [*dense.named_parameters(), *moe.named_parameters()]:
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    x = torch.randint(0, dense.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(2))
+    calls = []
+    flat = M.DecoderLayer.forward_flat
+    monkeypatch.setattr(M.DecoderLayer, "forward_flat", lambda self, *a: calls.append(1) or flat(self, *a))
+
+    def run(m, B, T):
+        cache = m.new_cache(B, 64)
+        m(x[:B, :12], cache=cache)
+        out = m(x[:B, 12 : 12 + T], cache=cache, feature_layers=(0, 1))
+        return out.logits, out.features
+
+    with torch.no_grad():
+        for m, expect_flat in ((dense.bfloat16(), True), (moe.bfloat16(), False)):
+            for B, T in ((1, 1), (1, 5), (2, 1), (2, 5)):
+                calls.clear()
+                got = run(m, B, T)
+                assert bool(calls) == expect_flat
+                with monkeypatch.context() as mp:
+                    mp.setattr(M.DecoderLayer, "flat_ok", lambda self: False)
+                    ref = run(m, B, T)
+                assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (B, T)
