@@ -105,6 +105,16 @@ def fused_linear(x: Tensor, layers: Sequence[nn.Module]) -> Tensor:
     return torch.cat([layer(x) for layer in layers], dim=-1)
 
 
+def group_linear(x: Tensor, weights: Sequence[Tensor]) -> Tensor:
+    """x times the bias-free weights stacked on dim 0, as `fused_linear` computes it for `Linear` layers with
+    these weights (the same bits): one packed matmul when `use_packed`, else `F.linear` per weight."""
+    if use_packed(x, weights[0]):
+        return packed_linear(x, packed_weights(weights), None)
+    if len(weights) == 1:
+        return F.linear(x, weights[0])
+    return torch.cat([F.linear(x, w) for w in weights], dim=-1)
+
+
 def linears(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor]:
     """`[layer(x) for layer in layers]`, through `fused_linear` when the layers can share one matmul."""
     ws = _fusable(x, layers)

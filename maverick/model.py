@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from maverick.config import Llama4Config
 from maverick.kv_cache import KVCache, attention_mask
-from maverick.linear import Linear, fused_linear, packed_linear, packed_weights, use_packed
+from maverick.linear import Linear, fused_linear, group_linear
 
 
 def init_weights(module: nn.Module, std: float = 0.02, generator: torch.Generator | None = None) -> None:
@@ -289,7 +289,7 @@ class DecoderLayer(nn.Module):
 
     def flat_ok(self) -> bool:
         """Whether `forward_flat` computes this layer: dense, RoPE without QK norm or chunking, and every
-        projection a plain bf16 `Linear` (not FP8)."""
+        projection a plain bias-free `Linear` (not FP8)."""
         a, f = self.self_attn, self.feed_forward
         lins = (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
         if not self.is_moe:
@@ -299,32 +299,30 @@ class DecoderLayer(nn.Module):
             and a.use_rope
             and not a.qk_norm
             and not a.chunked
-            and all(type(m) is Linear and m.bias is None and m.weight.dtype == torch.bfloat16 for m in lins)
+            and all(type(m) is Linear and m.bias is None for m in lins)
         )
 
     def forward_flat(self, x: Tensor, ctx: _Ctx) -> Tensor:
-        """`forward` for short calls on the packed bf16 path (decoding, verification; `Llama4.forward` decides,
-        with `flat_ok`): the same ops on the same packed weights, so the same bits (tests/test_model.py),
-        written out in one function. Without the seven submodule calls and the per-call checks of the
-        packed path, a SmolLM2 decode step is ~7% faster on this CPU: at 135M parameters a step costs
+        """`forward` for short inference calls on the exact path (decoding, verification; `Llama4.forward`
+        decides, with `flat_ok`): the same ops on the same (packed) weights, so the same bits
+        (tests/test_model.py), written out in one function. Without the seven submodule calls and their
+        per-call checks, a SmolLM2 decode step is ~4% faster on this CPU: at 135M parameters a step costs
         about as much in Python as in weights."""
         a, f = self.self_attn, self.feed_forward
         B, T, _ = x.shape
         Hq, Hkv = a.n_heads, a.n_kv
         h = _rms(x, self.input_layernorm.eps) * self.input_layernorm.weight
-        qkv = packed_linear(h, packed_weights([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), None)
+        qkv = group_linear(h, [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
         qkv = qkv.view(B, T, Hq + 2 * Hkv, a.head_dim)
         qk = apply_rope(qkv[:, :, : Hq + Hkv], ctx.cos, ctx.sin)
         k, v = qk[:, :, Hq:].transpose(1, 2), qkv[:, :, Hq + Hkv :].transpose(1, 2)
         k, v = ctx.cache.write(a.layer, k, v, ctx.kv_len, ctx.write_index)
         o = exact_attention(qk[:, :, :Hq].transpose(1, 2), k, v, ctx.full_bias).transpose(1, 2)
-        x = x + packed_linear(o.reshape(B, T, -1), packed_weights([a.o_proj.weight]), None)
+        x = x + group_linear(o.reshape(B, T, -1), [a.o_proj.weight])
         h = _rms(x, self.post_attention_layernorm.eps) * self.post_attention_layernorm.weight
-        gate_up = packed_linear(h, packed_weights([f.gate_proj.weight, f.up_proj.weight]), None)
+        gate_up = group_linear(h, [f.gate_proj.weight, f.up_proj.weight])
         I = gate_up.shape[-1] // 2
-        return x + packed_linear(
-            F.silu(gate_up[..., :I]) * gate_up[..., I:], packed_weights([f.down_proj.weight]), None
-        )
+        return x + group_linear(F.silu(gate_up[..., :I]) * gate_up[..., I:], [f.down_proj.weight])
 
 
 @dataclass
@@ -389,12 +387,13 @@ class Llama4(nn.Module):
     def new_cache(
         self, batch_size: int, max_len: int, dtype: torch.dtype | None = None, exact: bool = True
     ) -> KVCache:
-        """exact: short calls use `exact_attention` (see the note there), and the cache stores fp32 by default:
-        keys and values are rounded to the model dtype before they are written, so fp32 holds them exactly
-        and the fp32 attention reads them without a cast per layer and step. exact=False: the fused
-        kernel, and the model dtype."""
+        """exact: short calls use `exact_attention` (see the note there), and on CPU the cache stores fp32
+        by default: keys and values are rounded to the model dtype before they are written, so fp32 holds
+        them exactly and the fp32 attention reads them without a cast per layer and step (twice the
+        memory; on GPUs, where that memory matters more and the cast costs less, the model dtype).
+        exact=False: the fused kernel, and the model dtype."""
         c = self.config
-        dtype = dtype or (torch.float32 if exact else self.dtype)
+        dtype = dtype or (torch.float32 if exact and self.device.type == "cpu" else self.dtype)
         cache = KVCache(
             c.num_hidden_layers, batch_size, max_len, c.num_key_value_heads, c.head_dim, dtype, self.device
         )
@@ -445,7 +444,7 @@ class Llama4(nn.Module):
         x = self.model.embed_tokens(tokens) if inputs_embeds is None else inputs_embeds
         ctx.flat = (
             tree_keys is None and cache is not None and cache.exact and exact
-            and use_packed(x, self.model.embed_tokens.weight)
+            and not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling()
             and all(layer.flat_ok() for layer in self.model.layers)
         )  # fmt: skip
         feats: dict[int, Tensor] = {}

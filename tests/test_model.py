@@ -3,6 +3,7 @@ plus the cache, rollback, MoE dispatch, parameter counts and bad-input errors.""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -372,14 +373,12 @@ def test_one_row_cache_writes_by_slice_like_the_batched_index():
 
 
 def test_flat_layers_give_the_bits_of_the_modules(monkeypatch):
-    """Decoding and verifying on the packed bf16 path runs DecoderLayer.forward_flat; with it switched off
-    (the submodules' forward), the logits and features are the same bits, for 1 and 2 rows, 1 and 5 tokens.
-    Layers it does not cover (MoE, chunked, QK norm) leave the whole call to the modules."""
+    """Decoding and verifying (exact cache, no grad) runs DecoderLayer.forward_flat; with it switched off
+    (the submodules' forward), the logits and features are the same bits, for 1 and 2 rows, 1 and 5 tokens,
+    bf16 (packed weights) and fp32. Layers it does not cover (MoE, chunked, QK norm) leave the whole call
+    to the modules."""
     from maverick import model as M
-    from maverick.linear import packing_supported
 
-    if not packing_supported():
-        pytest.skip("no oneDNN bf16 on this CPU")
     torch.manual_seed(0)
     dense = Llama4(get_config("tiny-dense"))
     dense.init_weights(generator=torch.Generator().manual_seed(1))
@@ -401,7 +400,8 @@ def test_flat_layers_give_the_bits_of_the_modules(monkeypatch):
         return out.logits, out.features
 
     with torch.no_grad():
-        for m, expect_flat in ((dense.bfloat16(), True), (moe.bfloat16(), False)):
+        dense32 = copy.deepcopy(dense)
+        for m, expect_flat in ((dense.bfloat16(), True), (dense32, True), (moe.bfloat16(), False)):
             for B, T in ((1, 1), (1, 5), (2, 1), (2, 5)):
                 calls.clear()
                 got = run(m, B, T)
