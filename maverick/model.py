@@ -113,9 +113,8 @@ class Attention(nn.Module):
         if self.use_rope:
             qk = apply_rope(qk, ctx.cos, ctx.sin)
         q, k = qk[:, :, :Hq], qk[:, :, Hq:]
-        if self.use_rope:
-            if self.qk_norm:  # weightless RMSNorm after RoPE, RoPE layers only
-                q, k = _rms(q, self.eps), _rms(k, self.eps)
+        if self.qk_norm:  # weightless RMSNorm after RoPE, RoPE layers only
+            q, k = _rms(q, self.eps), _rms(k, self.eps)
         elif self.temperature_tuning:
             # NoPE layers: q *= 1 + attn_scale * log(floor((pos + 1) / floor_scale) + 1); 1.0 early on
             scale = (
