@@ -85,43 +85,23 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
-def _fusable(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor] | None:
-    """The layers' weights when every layer is a bias-free `Linear` and the packed path applies, else None."""
-    ws = [getattr(layer, "weight", None) for layer in layers]
-    if all(type(layer) is Linear and layer.bias is None for layer in layers) and all(
-        use_packed(x, w) for w in ws
-    ):
-        return ws
-    return None
-
-
-def fused_linear(x: Tensor, layers: Sequence[nn.Module]) -> Tensor:
-    """`torch.cat([layer(x) for layer in layers], -1)`; when `_fusable`, one matmul on the layers'
-    concatenated packed weights (q/k/v, gate/up): fewer, larger calls, and each output column has the same
-    bits as from its own layer (tests/test_linear.py)."""
-    ws = _fusable(x, layers)
-    if ws is not None:
-        return packed_linear(x, packed_weights(ws), None)
-    return torch.cat([layer(x) for layer in layers], dim=-1)
-
-
 def group_linear(x: Tensor, weights: Sequence[Tensor]) -> Tensor:
-    """x times the bias-free weights stacked on dim 0, as `fused_linear` computes it for `Linear` layers with
-    these weights (the same bits): one packed matmul when `use_packed`, else `F.linear` per weight."""
-    if use_packed(x, weights[0]):
+    """x times the bias-free weights stacked on dim 0: one matmul on their concatenated packed copy when
+    `use_packed` holds for each (q/k/v, gate/up: fewer, larger calls, and each output column has the bits of
+    its own weight, tests/test_linear.py), else `F.linear` per weight, concatenated."""
+    if all(use_packed(x, w) for w in weights):
         return packed_linear(x, packed_weights(weights), None)
     if len(weights) == 1:
         return F.linear(x, weights[0])
     return torch.cat([F.linear(x, w) for w in weights], dim=-1)
 
 
-def linears(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor]:
-    """`[layer(x) for layer in layers]`, through `fused_linear` when the layers can share one matmul."""
-    ws = _fusable(x, layers)
-    if ws is not None:
-        y = packed_linear(x, packed_weights(ws), None)
-        return list(y.split([w.shape[0] for w in ws], dim=-1))
-    return [layer(x) for layer in layers]
+def fused_linear(x: Tensor, layers: Sequence[nn.Module]) -> Tensor:
+    """`torch.cat([layer(x) for layer in layers], -1)`, through `group_linear` when every layer is a
+    bias-free `Linear` (other layers, e.g. FP8, compute themselves)."""
+    if all(type(layer) is Linear and layer.bias is None for layer in layers):
+        return group_linear(x, [layer.weight for layer in layers])
+    return torch.cat([layer(x) for layer in layers], dim=-1)
 
 
 class Linear(nn.Linear):

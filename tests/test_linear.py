@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from maverick.fp8_convert import convert_to_fp8_weight_only
 from maverick.fp8_weight_only import Float8WeightOnlyLinear
-from maverick.linear import PACKED_MAX_ROWS, Linear, linear, linears, packing_supported, use_packed
+from maverick.linear import PACKED_MAX_ROWS, Linear, fused_linear, linear, packing_supported, use_packed
 
 pytestmark = pytest.mark.skipif(not packing_supported(), reason="no oneDNN bf16 on this CPU")
 
@@ -79,7 +79,11 @@ def test_deepcopy_and_fp8_conversion_after_packed_calls():
         torch.testing.assert_close(twin[0](x), F.linear(x, w), rtol=0, atol=0)
 
 
-def test_linears_fused_equals_separate_layers():
+def split(y, layers):
+    return list(y.split([layer.out_features for layer in layers], dim=-1))
+
+
+def test_fused_linear_equals_separate_layers():
     """q/k/v (576 -> 576, 192, 192) and gate/up (576 -> 1536, 1536) as one packed matmul: every output has
     the bits of its own layer, for every row count up to PACKED_MAX_ROWS; gradients take separate layers."""
     torch.manual_seed(0)
@@ -88,30 +92,30 @@ def test_linears_fused_equals_separate_layers():
         x = torch.randn(PACKED_MAX_ROWS, 576).bfloat16()
         with torch.no_grad():
             for m in (1, 3, 9, 33, PACKED_MAX_ROWS):
-                fused = linears(x[:m], layers)
+                fused = split(fused_linear(x[:m], layers), layers)
                 assert [y.shape[-1] for y in fused] == list(outs)
                 for y, layer in zip(fused, layers):
                     torch.testing.assert_close(y, layer(x[:m]), rtol=0, atol=0)
             layers[0].weight.add_(1)  # written: the fused copy follows
-            torch.testing.assert_close(linears(x, layers)[0], layers[0](x), rtol=0, atol=0)
-        grads = linears(x[:2], layers)
-        assert grads[0].requires_grad
+            torch.testing.assert_close(
+                split(fused_linear(x, layers), layers)[0], layers[0](x), rtol=0, atol=0
+            )
+        grads = fused_linear(x[:2], layers)
+        assert grads.requires_grad
 
 
-def test_linears_leaves_fp8_layers_to_themselves():
+def test_fused_linear_leaves_fp8_layers_to_themselves():
     layers = [Linear(64, 32, bias=False).bfloat16(), Linear(64, 16, bias=False).bfloat16()]
     layers[1] = Float8WeightOnlyLinear.from_float(layers[1])
     x = torch.randn(2, 64).bfloat16()
     with torch.no_grad():
-        a, b = linears(x, layers)
+        a, b = split(fused_linear(x, layers), layers)
         torch.testing.assert_close(a, layers[0](x), rtol=0, atol=0)
         torch.testing.assert_close(b, layers[1](x), rtol=0, atol=0)
 
 
 def test_fused_linear_is_the_concatenation():
     """fused_linear: the packed one-matmul path and the fallback (fp32 here) both equal cat of the layers."""
-    from maverick.linear import fused_linear
-
     torch.manual_seed(1)
     for dtype in (torch.bfloat16, torch.float32):
         layers = [Linear(64, o, bias=False).to(dtype) for o in (32, 16, 16)]
