@@ -106,9 +106,14 @@ class Attention(nn.Module):
         self.chunked = cfg.is_chunked(layer)
 
     def forward(self, x: Tensor, ctx: _Ctx) -> Tensor:
-        B, T, _ = x.shape
+        return self.o_proj(self.attend(fused_linear(x, (self.q_proj, self.k_proj, self.v_proj)), ctx))
+
+    def attend(self, qkv: Tensor, ctx: _Ctx) -> Tensor:
+        """The projected q/k/v [B, T, (Hq + 2 Hkv) D] -> the attention output [B, T, Hq D], before o_proj:
+        RoPE / QK norm / temperature tuning, the cache write, and the attention kernel for the call."""
+        B, T, _ = qkv.shape
         Hq, Hkv = self.n_heads, self.n_kv
-        qkv = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj)).view(B, T, Hq + 2 * Hkv, self.head_dim)
+        qkv = qkv.view(B, T, Hq + 2 * Hkv, self.head_dim)
         qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]  # q and k heads side by side: one rotation
         if self.use_rope:
             qk = apply_rope(qk, ctx.cos, ctx.sin)
@@ -128,12 +133,12 @@ class Attention(nn.Module):
         mask = ctx.chunk_mask if self.chunked else ctx.full_mask
         if ctx.tree_keys is not None:
             o = tree_attention(q, k, v, ctx.tree_keys, self.chunked and ctx.chunk, ctx.positions)
-        elif T <= EXACT_ATTENTION_MAX_T and (ctx.cache is None or ctx.cache.exact):
+        elif ctx.full_bias is not None:  # a short call on the exact path (Llama4.forward)
             o = exact_attention(q, k, v, ctx.chunk_bias if self.chunked else ctx.full_bias)
         else:  # a cache may hold bf16 values in fp32 (exact decoding): the cast back is lossless
             k, v = k.to(q.dtype), v.to(q.dtype)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        return o.transpose(1, 2).reshape(B, T, -1)
 
 
 # NOTE (bit-exact speculative decoding): greedy speculative decoding must emit exactly the tokens of
@@ -287,37 +292,25 @@ class DecoderLayer(nn.Module):
         return x + self.feed_forward(self.post_attention_layernorm(x))
 
     def flat_ok(self) -> bool:
-        """Whether `forward_flat` computes this layer: dense, RoPE without QK norm or chunking, and every
-        projection a plain bias-free `Linear` (not FP8)."""
+        """Whether `forward_flat` computes this layer: dense, and every projection a plain bias-free `Linear`
+        (not FP8)."""
+        if self.is_moe:
+            return False
         a, f = self.self_attn, self.feed_forward
-        lins = (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
-        if not self.is_moe:
-            lins += (f.gate_proj, f.up_proj, f.down_proj)
-        return (
-            not self.is_moe
-            and a.use_rope
-            and not a.qk_norm
-            and not a.chunked
-            and all(type(m) is Linear and m.bias is None for m in lins)
-        )
+        lins = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, f.gate_proj, f.up_proj, f.down_proj)
+        return all(type(m) is Linear and m.bias is None for m in lins)
 
     def forward_flat(self, x: Tensor, ctx: _Ctx) -> Tensor:
         """`forward` for short inference calls on the exact path (decoding, verification; `Llama4.forward`
         decides, with `flat_ok`): the same ops on the same (packed) weights, so the same bits
-        (tests/test_model.py), written out in one function. Without the seven submodule calls and their
-        per-call checks, a SmolLM2 decode step is ~4% faster on this CPU: at 135M parameters a step costs
-        about as much in Python as in weights."""
+        (tests/test_model.py), without the submodule calls: norms inline, projections through
+        `group_linear`, the attention core shared with `Attention.forward` (`attend`). A SmolLM2 decode
+        step is ~4% faster on this CPU: at 135M parameters a step costs about as much in Python as in
+        weights."""
         a, f = self.self_attn, self.feed_forward
-        B, T, _ = x.shape
-        Hq, Hkv = a.n_heads, a.n_kv
         h = _rms(x, self.input_layernorm.eps) * self.input_layernorm.weight
-        qkv = group_linear(h, [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-        qkv = qkv.view(B, T, Hq + 2 * Hkv, a.head_dim)
-        qk = apply_rope(qkv[:, :, : Hq + Hkv], ctx.cos, ctx.sin)
-        k, v = qk[:, :, Hq:].transpose(1, 2), qkv[:, :, Hq + Hkv :].transpose(1, 2)
-        k, v = ctx.cache.write(a.layer, k, v, ctx.kv_len, ctx.write_index)
-        o = exact_attention(qk[:, :, :Hq].transpose(1, 2), k, v, ctx.full_bias).transpose(1, 2)
-        x = x + group_linear(o.reshape(B, T, -1), [a.o_proj.weight])
+        o = a.attend(group_linear(h, [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), ctx)
+        x = x + group_linear(o, [a.o_proj.weight])
         h = _rms(x, self.post_attention_layernorm.eps) * self.post_attention_layernorm.weight
         gate_up = group_linear(h, [f.gate_proj.weight, f.up_proj.weight])
         I = gate_up.shape[-1] // 2
@@ -333,7 +326,7 @@ class _Ctx:
     sin: Tensor
     full_mask: Tensor  # [B, 1, T, S] bool
     chunk_mask: Tensor | None
-    # the masks as `additive` biases, for exact attention (T <= EXACT_ATTENTION_MAX_T)
+    # the masks as `additive` biases for exact attention; None: this call takes the fused kernel
     full_bias: Tensor | None
     chunk_bias: Tensor | None
     tree_keys: Tensor | None  # [T, S] per-node key layout for tree verification (see tree_attention)
@@ -430,7 +423,7 @@ class Llama4(nn.Module):
         if any(cfg.is_chunked(i) for i in range(cfg.num_hidden_layers)):
             chunked = attention_mask(positions, start, kv_len, cfg.attention_chunk_size, tree_mask)
         cos, sin = rope_tables(positions, self.inv_freq)
-        exact = T <= EXACT_ATTENTION_MAX_T
+        exact = T <= EXACT_ATTENTION_MAX_T and (cache is None or cache.exact)  # see exact_attention
         tree_keys = None
         if tree_mask is not None and cache is not None and B == 1 and T <= EXACT_ATTENTION_MAX_T:
             tree_keys = tree_key_slots(tree_mask, int(start[0]), kv_len)
@@ -442,7 +435,7 @@ class Llama4(nn.Module):
 
         x = self.model.embed_tokens(tokens) if inputs_embeds is None else inputs_embeds
         ctx.flat = (
-            tree_keys is None and cache is not None and cache.exact and exact
+            tree_keys is None and cache is not None and exact
             and not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling()
             and all(layer.flat_ok() for layer in self.model.layers)
         )  # fmt: skip

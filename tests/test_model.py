@@ -375,8 +375,8 @@ def test_one_row_cache_writes_by_slice_like_the_batched_index():
 def test_flat_layers_give_the_bits_of_the_modules(monkeypatch):
     """Decoding and verifying (exact cache, no grad) runs DecoderLayer.forward_flat; with it switched off
     (the submodules' forward), the logits and features are the same bits, for 1 and 2 rows, 1 and 5 tokens,
-    bf16 (packed weights) and fp32. Layers it does not cover (MoE, chunked, QK norm) leave the whole call
-    to the modules."""
+    bf16 (packed weights) and fp32, and for dense Llama 4 layers (chunked, QK norm, NoPE with temperature
+    tuning). A model with MoE layers leaves the whole call to the modules."""
     from maverick import model as M
 
     torch.manual_seed(0)
@@ -384,8 +384,10 @@ def test_flat_layers_give_the_bits_of_the_modules(monkeypatch):
     dense.init_weights(generator=torch.Generator().manual_seed(1))
     moe = Llama4(tiny())
     moe.init_weights(generator=torch.Generator().manual_seed(1))
+    llama4_dense = Llama4(tiny(interleave_moe_layer_step=0, moe_layers=[], use_qk_norm=True))
+    llama4_dense.init_weights(generator=torch.Generator().manual_seed(1))
     with torch.no_grad():  # norms away from 1, so a norm weight left out would show
-        for name, p in [*dense.named_parameters(), *moe.named_parameters()]:
+        for name, p in [*dense.named_parameters(), *moe.named_parameters(), *llama4_dense.named_parameters()]:
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
     x = torch.randint(0, dense.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(2))
@@ -401,7 +403,13 @@ def test_flat_layers_give_the_bits_of_the_modules(monkeypatch):
 
     with torch.no_grad():
         dense32 = copy.deepcopy(dense)
-        for m, expect_flat in ((dense.bfloat16(), True), (dense32, True), (moe.bfloat16(), False)):
+        cases = [
+            (dense.bfloat16(), True),
+            (dense32, True),
+            (llama4_dense.bfloat16(), True),
+            (moe.bfloat16(), False),
+        ]
+        for m, expect_flat in cases:
             for B, T in ((1, 1), (1, 5), (2, 1), (2, 5)):
                 calls.clear()
                 got = run(m, B, T)
