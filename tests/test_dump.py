@@ -188,6 +188,34 @@ def test_corrupt_shard_names_the_file(tmp_path):
         DumpDataset(tmp_path)
 
 
+def test_several_directories_read_as_one(tmp_path):
+    model = tiny_target()
+    a_samples, b_samples = tiny_samples(4, seed=1), tiny_samples(5, seed=2)
+    va, vb = dump.draft_vocab_from(a_samples, 512, 50)[:2], dump.draft_vocab_from(b_samples, 512, 50)[:2]
+    write_dumps(model, a_samples, tmp_path / "a", settings(a_samples), vocab=va, progress=False)
+    write_dumps(model, b_samples, tmp_path / "b", settings(b_samples), vocab=vb, progress=False)
+    a, b = DumpDataset(tmp_path / "a"), DumpDataset(tmp_path / "b")
+    both = DumpDataset(f"{tmp_path / 'a'},{tmp_path / 'b'}")
+    assert len(both) == 9 and both.lengths == a.lengths + b.lengths and both.tokens == a.tokens + b.tokens
+    for i, (ds, j) in enumerate([(a, k) for k in range(4)] + [(b, k) for k in range(5)]):
+        for k in dump.FIELDS:
+            assert torch.equal(both[i][k], ds[j][k]), (i, k)
+    assert not torch.equal(va[0], vb[0])
+    for got, want in zip(both.vocab(), va):  # the first directory's vocabulary
+        assert torch.equal(got, want)
+    with pytest.raises(IndexError, match="9 samples"):
+        both[9]
+
+    other = settings(b_samples)
+    other.target = {"name": "tiny-dense seed 0", "size": 123}
+    write_dumps(model, b_samples, tmp_path / "c", other, progress=False)
+    with pytest.raises(DumpError, match=r"c/manifest.json: target.size is 123 but None in .*a/manifest.json"):
+        DumpDataset([tmp_path / "a", tmp_path / "c"])
+    write_dumps(model, b_samples, tmp_path / "d", settings(b_samples, dtype="fp16"), progress=False)
+    with pytest.raises(DumpError, match=r"d/manifest.json: dtype is 'fp16' but 'bf16'"):
+        DumpDataset([tmp_path / "a", tmp_path / "d"])
+
+
 def test_online_equals_dumps(tmp_path):
     model, samples = tiny_target(), tiny_samples(5)
     write_dumps(model, samples, tmp_path, settings(samples), batch_tokens=1, progress=False)

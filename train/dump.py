@@ -508,26 +508,63 @@ class _Shard:
         return state
 
 
+# what must agree between dump directories read as one dataset (the target and what was stored of it)
+_SAME_TARGET = ("size", "dtype", "hidden_size", "num_hidden_layers", "vocab_size")
+
+
+def _check_same_dump(first: Path, a: Mapping[str, Any], other: Path, b: Mapping[str, Any]) -> None:
+    ta, tb = a.get("target", {}), b.get("target", {})
+    for key in _SAME_TARGET:
+        if ta.get(key) != tb.get(key):
+            raise DumpError(
+                f"{other / MANIFEST}: target.{key} is {tb.get(key)!r} but {ta.get(key)!r} in {first / MANIFEST}; "
+                "dumps read together must come from the same target"
+            )
+    for key in ("feature_layers", "dtype"):
+        if a.get(key) != b.get(key):
+            raise DumpError(
+                f"{other / MANIFEST}: {key} is {b.get(key)!r} but {a.get(key)!r} in {first / MANIFEST}"
+            )
+
+
 class DumpDataset:
     """Map-style dataset over a dump directory: item i is sample i as a dict of the stored fields
     (memory-mapped; only the rows of that sample are read).
+
+    Several directories (a list, or one string "a,b") read as one dataset, samples in the order given:
+    e.g. the target's own answers plus original ShareGPT text. They must come from the same target
+    with the same feature layers and stored dtype; the draft vocabulary and the manifest are the first
+    one's (the stored full-vocab argmax and final hidden state serve any vocabulary).
 
     Refuses an incomplete dump unless `allow_partial` (then only finished shards are visible, and
     item i is the i-th visible sample). `verify` checks every shard's sha256 (reads everything once).
     """
 
-    def __init__(self, directory: str | os.PathLike, allow_partial: bool = False, verify: bool = False):
-        self.directory = Path(directory)
-        self.manifest = read_manifest(self.directory)
-        m = self.manifest
-        if not m.get("complete") and not allow_partial:
-            raise DumpError(
-                f"{self.directory / MANIFEST}: the dump is incomplete ({len(m.get('shards', []))} of "
-                f"{m['num_shards']} shards); rerun the same python -m train.dump command to finish it"
-            )
-        self.shards = [_Shard(self.directory / e["file"], e, verify) for e in m.get("shards", [])]
+    def __init__(
+        self, directory: str | os.PathLike | Sequence[str | os.PathLike], allow_partial: bool = False,
+        verify: bool = False,
+    ):  # fmt: skip
+        if isinstance(directory, str) and "," in directory:
+            directory = [d for d in directory.split(",") if d]
+        dirs = [Path(d) for d in directory] if isinstance(directory, (list, tuple)) else [Path(directory)]
+        if not dirs:
+            raise DumpError("no dump directory given")
+        self.directory = dirs[0]
+        self.directories = dirs
+        self.manifest = m = read_manifest(self.directory)
+        self.shards = []
+        for d in dirs:
+            md = m if d == self.directory else read_manifest(d)
+            if d != self.directory:
+                _check_same_dump(self.directory, m, d, md)
+            if not md.get("complete") and not allow_partial:
+                raise DumpError(
+                    f"{d / MANIFEST}: the dump is incomplete ({len(md.get('shards', []))} of "
+                    f"{md['num_shards']} shards); rerun the same python -m train.dump command to finish it"
+                )
+            self.shards += [_Shard(d / e["file"], e, verify) for e in md.get("shards", [])]
         if not self.shards:
-            raise DumpError(f"{self.directory}: no finished shards")
+            raise DumpError(f"{', '.join(map(str, dirs))}: no finished shards")
         starts = [0]
         for s in self.shards:
             starts.append(starts[-1] + s.n)
@@ -540,7 +577,9 @@ class DumpDataset:
 
     def __getitem__(self, i: int) -> dict[str, Tensor]:
         if not -len(self) <= i < len(self):
-            raise IndexError(f"sample {i} out of range for {len(self)} samples in {self.directory}")
+            raise IndexError(
+                f"sample {i} out of range for {len(self)} samples in {', '.join(map(str, self.directories))}"
+            )
         i %= len(self)
         lo, hi = 0, len(self.shards) - 1
         while lo < hi:  # the shard holding sample i

@@ -785,7 +785,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(python -m train.dump) or online from the target. Multi-process: accelerate launch / torchrun.",
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--dumps", help="dump directory made by python -m train.dump")
+    src.add_argument(
+        "--dumps",
+        help="dump directory made by python -m train.dump; several: A,B (one dataset, A's draft vocabulary)",
+    )
     src.add_argument("--online", action="store_true", help="run the target on the fly (data options below)")
     p.add_argument("--out", required=True, help="output directory (log, checkpoints, draft, curve.png)")
     p.add_argument("--target", default=None, help="target .gguf / HF dir (default: the one the dumps name)")
@@ -873,7 +876,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
             if target_identity(target_path)["size"] != target["size"]:
                 raise ValueError(
-                    f"{target_path}: size differs from the one recorded in {cfg.dumps}/manifest.json"
+                    f"{target_path}: size differs from the one recorded in {data.directory}/manifest.json"
                 )
         vocab = data.vocab()
     else:
