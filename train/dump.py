@@ -549,14 +549,12 @@ class DumpDataset:
         dirs = [Path(d) for d in directory] if isinstance(directory, (list, tuple)) else [Path(directory)]
         if not dirs:
             raise DumpError("no dump directory given")
-        self.directory = dirs[0]
-        self.directories = dirs
-        self.manifest = m = read_manifest(self.directory)
+        self.directory, self.directories = dirs[0], dirs
+        self.manifest = read_manifest(self.directory)
         self.shards = []
         for d in dirs:
-            md = m if d == self.directory else read_manifest(d)
-            if d != self.directory:
-                _check_same_dump(self.directory, m, d, md)
+            md = read_manifest(d)
+            _check_same_dump(self.directory, self.manifest, d, md)
             if not md.get("complete") and not allow_partial:
                 raise DumpError(
                     f"{d / MANIFEST}: the dump is incomplete ({len(md.get('shards', []))} of "
@@ -570,7 +568,7 @@ class DumpDataset:
             starts.append(starts[-1] + s.n)
         self._starts = starts
         self.lengths: list[int] = [int(x) for s in self.shards for x in (s.offsets[1:] - s.offsets[:-1])]
-        self.feature_layers = tuple(m["feature_layers"])
+        self.feature_layers = tuple(self.manifest["feature_layers"])
 
     def __len__(self) -> int:
         return self._starts[-1]
