@@ -855,7 +855,7 @@ def config_from_args(args: argparse.Namespace) -> FitConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    from train.dump import TARGET_DTYPES, DumpDataset, chat_samples, draft_vocab_from, read_manifest
+    from train.dump import TARGET_DTYPES, DumpDataset, chat_samples, draft_vocab_from
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -894,8 +894,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         embed, head, tcfg = data.embed_weight, data.lm_head_weight, data.model.config
         d2t, t2d, _ = draft_vocab_from(train_split, tcfg.vocab_size, cfg.draft_vocab_size)
         vocab = (d2t, t2d)
-    if eval_data is not None:
-        read_manifest(cfg.eval_dumps)
     summary = train(cfg, data, vocab, embed, head, tcfg, eval_data=eval_data)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(summary), flush=True)
