@@ -9,7 +9,9 @@ ours must produce exactly the tokens of our plain greedy decoding (a mismatch is
 the exit status 1); HF's methods are a different implementation, so their differences are shown only.
 At temperature > 0 outputs differ by design; instead each method of ours passes a distribution check of
 the first token a speculative cycle emits against the target's exact marginal (eval/distcheck.py).
-Methods named <method>+fp8 run on an FP8 copy of the target (checked against ours-plain+fp8).
+Methods named <method>+fp8 run on an FP8 copy of the target (checked against ours-plain+fp8), and
+<method>+q4 on the target with its GGUF Q4 linears kept packed (maverick/q4.py; bf16 only; checked against
+ours-plain+q4).
 Methods named eagle3-...+lookup draft by prompt lookup where the text repeats itself and with the EAGLE-3
 draft elsewhere (eagle3/lookup.py).
 
@@ -38,7 +40,17 @@ from eagle3.spec import SpecDecoder, TreeConfig
 from eagle3.tuner import DraftLengthTuner, FixedK
 from eval.distcheck import DistCheck, check_method
 from eval.prompts import load_benchmark
-from eval.report import BOLD_RED, FP8_SUFFIX, RESET, RunRecord, print_table, summarise, write_report
+from eval.report import (
+    BOLD_RED,
+    FP8_SUFFIX,
+    Q4_SUFFIX,
+    RESET,
+    RunRecord,
+    print_table,
+    summarise,
+    variant,
+    write_report,
+)
 from maverick.generate import Decoder
 from maverick.gguf_model import load_gguf_model
 from maverick.tokenizer import default_gguf_path, encode_chat, load_tokenizer
@@ -101,7 +113,7 @@ def tree_config(args) -> TreeConfig:
 
 
 def build_decoder(name: str, target, draft, max_len: int, args) -> Decoder | SpecDecoder:
-    """Our decoder for a method name (without the "+fp8" suffix)."""
+    """Our decoder for a method name (without a "+fp8" / "+q4" suffix)."""
     if name == "ours-plain":
         return Decoder(target, max_len=max_len)
     lookup = LookupConfig() if name.endswith(LOOKUP_SUFFIX) else None
@@ -111,7 +123,8 @@ def build_decoder(name: str, target, draft, max_len: int, args) -> Decoder | Spe
         name.startswith("eagle3-k") and fixed_k.isdigit()
     ):
         raise ValueError(
-            f"unknown method {name!r}; known: {', '.join(ALL_METHODS)} (eagle3 chains also with '{LOOKUP_SUFFIX}', ours with '{FP8_SUFFIX}')"
+            f"unknown method {name!r}; known: {', '.join(ALL_METHODS)} (eagle3 chains also with '{LOOKUP_SUFFIX}', "
+            f"ours with '{FP8_SUFFIX}' or '{Q4_SUFFIX}')"
         )
     if draft is None:
         raise ValueError(f"method {name} needs a draft (--draft)")
@@ -135,10 +148,10 @@ def build_decoder(name: str, target, draft, max_len: int, args) -> Decoder | Spe
 
 class Runner:
     """One object per method: `run(prompt_ids, max_new_tokens) -> (ids, stats)`. A method name ending in
-    "+fp8" runs the same method on the FP8 (weight-only) copy of the target."""
+    "+fp8" / "+q4" runs the same method on that variant of the target (given as `target`)."""
 
     def __init__(self, name, args, target, draft, hf, eos):
-        name = name.removesuffix(FP8_SUFFIX)
+        name = name.removesuffix(variant(name))
         self.name, self.eos, self.hf = name, eos, hf
         self.sampling = sampling_params(args)
         max_len = args.max_prompt_tokens * 2 + args.max_new_tokens * 2 + 128
@@ -228,7 +241,7 @@ def main(argv=None) -> int:
     out_dir = Path(args.out or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     config = {k: v for k, v in vars(args).items()} | {"methods": methods, "gguf": gguf}
     config |= {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": "cpu"}
-    if "eagle3-tree" in [m.removesuffix(FP8_SUFFIX) for m in methods]:
+    if "eagle3-tree" in [m.removesuffix(variant(m)) for m in methods]:
         config["tree"] = asdict(tree_config(args))
     print(json.dumps(config), flush=True)
 
@@ -253,16 +266,16 @@ def main(argv=None) -> int:
             convert_to_fp8_weight_only(target)
         if args.fp8 in ("draft", "both") and draft is not None:
             convert_to_fp8_weight_only(draft)
-    target_fp8 = None
-    if any(m.endswith(FP8_SUFFIX) for m in methods):
-        if any(m.startswith("hf-") and m.endswith(FP8_SUFFIX) for m in methods):
-            raise ValueError(f"'{FP8_SUFFIX}' applies to our methods only, not HF's")
+    if any(m.startswith("hf-") and variant(m) for m in methods):
+        raise ValueError(f"'{FP8_SUFFIX}' and '{Q4_SUFFIX}' apply to our methods only, not HF's")
+    targets = {"": target}  # by variant suffix
+    if any(variant(m) == FP8_SUFFIX for m in methods):
         from maverick.fp8 import convert_to_fp8_weight_only
 
-        target_fp8 = convert_to_fp8_weight_only(copy.deepcopy(target))
-    runners = {
-        m: Runner(m, args, target_fp8 if m.endswith(FP8_SUFFIX) else target, draft, hf, eos) for m in methods
-    }
+        targets[FP8_SUFFIX] = convert_to_fp8_weight_only(copy.deepcopy(target))
+    if any(variant(m) == Q4_SUFFIX for m in methods):
+        targets[Q4_SUFFIX] = load_gguf_model(gguf, dtype=dtype, q4=True)  # refuses fp32
+    runners = {m: Runner(m, args, targets[variant(m)], draft, hf, eos) for m in methods}
 
     prompts = load_benchmark(args.bench, n=args.n, path=args.prompts)
     gen = torch.Generator().manual_seed(args.seed)
@@ -306,11 +319,11 @@ def main(argv=None) -> int:
     greedy = sampling_params(args).greedy  # sampled outputs differ by design: checked in distribution instead
     summaries = summarise(records, baseline="ours-plain", hf_baseline="hf-generate", compare_outputs=greedy)
     for m, r in runners.items():
-        if m.removesuffix(FP8_SUFFIX).removesuffix(LOOKUP_SUFFIX) == "eagle3-tuned":
+        if m.removesuffix(variant(m)).removesuffix(LOOKUP_SUFFIX) == "eagle3-tuned":
             config["tuner" + m.removeprefix("eagle3-tuned")] = _jsonable(r.dec.policy.summary())
     checks = []
     if not greedy and args.dist_samples > 0:
-        checks = distribution_checks(args, methods, prompts, tok, target, target_fp8, draft)
+        checks = distribution_checks(args, methods, prompts, tok, targets, draft)
         config["distribution_check"] = [asdict(c) | {"passed": c.passed} for c in checks]
     paths = write_report(records, summaries, config, out_dir)
     print(f"\ntarget {Path(gguf).name}, dtype {args.dtype}, {len(prompts)} prompts x {args.turns} turns, "
@@ -330,7 +343,7 @@ def sampling_params(args) -> SamplingParams:
     return SamplingParams(args.temperature, args.top_k, args.top_p)
 
 
-def distribution_checks(args, methods, prompts, tok, target, target_fp8, draft) -> list[DistCheck]:
+def distribution_checks(args, methods, prompts, tok, targets, draft) -> list[DistCheck]:
     """At temperature > 0: each of our methods against the exact marginal of its target (eval/distcheck.py),
     on the first turn of the first --dist-prompts prompts; fresh decoders sized for the check."""
     sampling = sampling_params(args)
@@ -343,8 +356,8 @@ def distribution_checks(args, methods, prompts, tok, target, target_fp8, draft) 
     for prompt in prompts[: args.dist_prompts]:
         ids = build_prompts(tok, prompt, 0, [])[-args.max_prompt_tokens :]
         for m in ours:
-            base = m.removesuffix(FP8_SUFFIX)
-            t = target_fp8 if m.endswith(FP8_SUFFIX) else target
+            base = m.removesuffix(variant(m))
+            t = targets[variant(m)]
             dec = build_decoder(base, t, draft, len(ids) + 64, args)
 
             def generate(rows, n, dec=dec):

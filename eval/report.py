@@ -268,15 +268,23 @@ def _summarise_method(
     )
 
 
-# Methods named "<method>+fp8" decode with the FP8 target: their outputs are checked against the plain
-# decoding of the same FP8 target (lossless within FP8 numerics), and the FP8 plain decoding against the
-# bf16 one (how much FP8 changes the output: shown, not a failure).
+# Methods named "<method>+fp8" decode with the FP8 target, "<method>+q4" with the target whose GGUF Q4
+# linears stay packed (maverick/q4.py): other numerics. Their outputs are checked against the plain decoding
+# of the same target (lossless within its numerics), and that plain decoding against the bf16 one (how much
+# the numerics change the output: shown, not a failure).
 FP8_SUFFIX = "+fp8"
+Q4_SUFFIX = "+q4"
+VARIANT_SUFFIXES = (FP8_SUFFIX, Q4_SUFFIX)
+
+
+def variant(method: str) -> str:
+    """The numerics suffix of a method name ("+fp8", "+q4"), or "" for the bf16/fp32 target."""
+    return next((v for v in VARIANT_SUFFIXES if method.endswith(v)), "")
 
 
 def reference_method(method: str, methods: Iterable[str], baseline: str) -> str:
-    own = baseline + FP8_SUFFIX
-    if method.endswith(FP8_SUFFIX) and method != own and own in methods:
+    own = baseline + variant(method)
+    if own != baseline and method != own and own in methods:
         return own
     return baseline
 
@@ -358,8 +366,8 @@ REFERENCE_PREFIXES = ("hf-",)
 
 
 def is_lossless_method(method: str, reference: str = "") -> bool:
-    """Must this method's outputs equal its reference's? Not for HF's, nor across numerics (FP8 vs not)."""
-    same_numerics = not reference or method.endswith(FP8_SUFFIX) == reference.endswith(FP8_SUFFIX)
+    """Must this method's outputs equal its reference's? Not for HF's, nor across numerics (FP8, q4, not)."""
+    same_numerics = not reference or variant(method) == variant(reference)
     return not method.startswith(REFERENCE_PREFIXES) and same_numerics
 
 

@@ -176,10 +176,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--q4", action="store_true",
+                    help="keep the GGUF's Q4 linears packed (bf16 only; maverick/q4.py): faster decoding")  # fmt: skip
     args = ap.parse_args(argv)
 
+    if args.q4 and args.compile:
+        ap.error("--q4 runs eager (a compiled step would take the dense weights): drop --compile or --q4")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    model = load_gguf_model(args.gguf, dtype=dtype)
+    model = load_gguf_model(args.gguf, dtype=dtype, q4=args.q4)
     tok = load_tokenizer(args.gguf)
     if args.chat:
         ids = encode_chat(tok, [{"role": "user", "content": args.prompt}])
@@ -203,6 +207,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     n = res.new_tokens
     stats = {"new_tokens": n, "seconds": round(res.seconds, 3), "tokens_per_s": round(n / res.seconds, 2)}
     stats |= {"ttft_s": round(res.ttft, 3), "dtype": args.dtype, "compile": args.compile}
+    stats["q4"] = args.q4
     print("\n" + json.dumps(stats))
 
 

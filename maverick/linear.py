@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from maverick.q4 import Q4Weight, group_pack, live_pack, q4_matmul, use_q4
+
 PACKED_MAX_ROWS = 64
 
 # (id of the first weight, number of weights) -> (weakref to the first weight, key, packed copy). A plain dict
@@ -97,16 +99,27 @@ def group_linear(x: Tensor, weights: Sequence[Tensor]) -> Tensor:
 
 
 def fused_linear(x: Tensor, layers: Sequence[nn.Module]) -> Tensor:
-    """`torch.cat([layer(x) for layer in layers], -1)`, through `group_linear` when every layer is a
-    bias-free `Linear` (other layers, e.g. FP8, compute themselves)."""
+    """`torch.cat([layer(x) for layer in layers], -1)`, through one call when every layer is a bias-free
+    `Linear`: on their 4-bit packs (maverick/q4.py) when they all have one and `use_q4` holds, else
+    `group_linear` (other layers, e.g. FP8, compute themselves)."""
     if all(type(layer) is Linear and layer.bias is None for layer in layers):
+        if layers[0].q4 is not None and use_q4(x, layers):
+            w4 = group_pack(layers)
+            if w4 is not None:
+                return q4_matmul(x, w4)
         return group_linear(x, [layer.weight for layer in layers])
     return torch.cat([layer(x) for layer in layers], dim=-1)
 
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters, state-dict keys and training behaviour) whose few-row bf16 inference on
-    CPU runs on the packed weight."""
+    CPU runs on the packed weight, or on its 4-bit pack `q4` when it has one (`maverick.q4.attach_q4`)."""
+
+    q4: Q4Weight | None = None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.q4 is not None and use_q4(x, (self,)):
+            w4 = live_pack(self)
+            if w4 is not None:
+                return q4_matmul(x, w4) if self.bias is None else q4_matmul(x, w4) + self.bias
         return linear(x, self.weight, self.bias)

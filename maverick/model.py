@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from maverick.config import Llama4Config
 from maverick.kv_cache import KVCache, attention_mask
-from maverick.linear import Linear, fused_linear, group_linear
+from maverick.linear import Linear, fused_linear
 
 
 def init_weights(module: nn.Module, std: float = 0.02, generator: torch.Generator | None = None) -> None:
@@ -304,17 +304,17 @@ class DecoderLayer(nn.Module):
         """`forward` for short inference calls on the exact path (decoding, verification; `Llama4.forward`
         decides, with `flat_ok`): the same ops on the same (packed) weights, so the same bits
         (tests/test_model.py), without the submodule calls: norms inline, projections through
-        `group_linear`, the attention core shared with `Attention.forward` (`attend`). A SmolLM2 decode
+        `fused_linear`, the attention core shared with `Attention.forward` (`attend`). A SmolLM2 decode
         step is ~4% faster on this CPU: at 135M parameters a step costs about as much in Python as in
         weights."""
         a, f = self.self_attn, self.feed_forward
         h = _rms(x, self.input_layernorm.eps) * self.input_layernorm.weight
-        o = a.attend(group_linear(h, [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), ctx)
-        x = x + group_linear(o, [a.o_proj.weight])
+        o = a.attend(fused_linear(h, (a.q_proj, a.k_proj, a.v_proj)), ctx)
+        x = x + fused_linear(o, (a.o_proj,))
         h = _rms(x, self.post_attention_layernorm.eps) * self.post_attention_layernorm.weight
-        gate_up = group_linear(h, [f.gate_proj.weight, f.up_proj.weight])
+        gate_up = fused_linear(h, (f.gate_proj, f.up_proj))
         I = gate_up.shape[-1] // 2
-        return x + group_linear(F.silu(gate_up[..., :I]) * gate_up[..., I:], [f.down_proj.weight])
+        return x + fused_linear(F.silu(gate_up[..., :I]) * gate_up[..., I:], (f.down_proj,))
 
 
 @dataclass

@@ -324,25 +324,26 @@ def spec_record(method: str, ids: list[int], k: int) -> RunRecord:
                      draft_lengths=[k, k])  # fmt: skip
 
 
-def test_fp8_methods_are_checked_against_the_fp8_plain_decoding():
-    """ "+fp8" methods: lossless against ours-plain+fp8 (a difference fails); ours-plain+fp8 against the bf16
-    plain decoding is FP8's effect on the output, shown but not a failure."""
+@pytest.mark.parametrize("v", ["+fp8", "+q4"])
+def test_variant_methods_are_checked_against_their_own_plain_decoding(v):
+    """ "+fp8" / "+q4" methods: lossless against ours-plain+fp8 / +q4 (a difference fails); that plain
+    decoding against the bf16 one is the numerics' effect on the output, shown but not a failure."""
     recs = [
         plain("p0", 4, 1.0, [1, 2, 3, 4]),
-        RunRecord("ours-plain+fp8", "p0", 0, 4, 1.0, ttft=0.5, output_ids=[1, 2, 9, 9]),
-        spec_record("eagle3-k3+fp8", [1, 2, 9, 9], k=3),
-        spec_record("eagle3-k5+fp8", [1, 2, 3, 4], k=5),
+        RunRecord("ours-plain" + v, "p0", 0, 4, 1.0, ttft=0.5, output_ids=[1, 2, 9, 9]),
+        spec_record("eagle3-k3" + v, [1, 2, 9, 9], k=3),
+        spec_record("eagle3-k5" + v, [1, 2, 3, 4], k=5),
     ]
     s = by_method(summarise(recs))
-    assert s["ours-plain+fp8"].reference == "ours-plain" and s["ours-plain+fp8"].first_mismatch_index == 2
-    assert (s["eagle3-k3+fp8"].reference, s["eagle3-k3+fp8"].mismatches) == ("ours-plain+fp8", 0)
-    assert (s["eagle3-k5+fp8"].mismatches, s["eagle3-k5+fp8"].first_mismatch_index) == (1, 2)
-    assert s["eagle3-k3+fp8"].speedup == pytest.approx(2.0)  # speed still against bf16 plain decoding
+    assert s["ours-plain" + v].reference == "ours-plain" and s["ours-plain" + v].first_mismatch_index == 2
+    assert (s["eagle3-k3" + v].reference, s["eagle3-k3" + v].mismatches) == ("ours-plain" + v, 0)
+    assert (s["eagle3-k5" + v].mismatches, s["eagle3-k5" + v].first_mismatch_index) == (1, 2)
+    assert s["eagle3-k3" + v].speedup == pytest.approx(2.0)  # speed still against bf16 plain decoding
     out = io.StringIO()
     assert print_table(list(s.values()), file=out) is False
     fails = [line for line in out.getvalue().splitlines() if "FAIL" in line]
-    assert len(fails) == 1 and "eagle3-k5+fp8: 1 of 1 outputs differ from ours-plain+fp8" in fails[0]
+    assert len(fails) == 1 and f"eagle3-k5{v}: 1 of 1 outputs differ from ours-plain{v}" in fails[0]
     assert "1/1 vs ours-plain" in out.getvalue()
-    d = asdict(s["eagle3-k3+fp8"])
+    d = asdict(s["eagle3-k3" + v])
     del d["reference"]  # reports written before the field existed still load
     assert MethodSummary.from_dict(d).reference == ""
