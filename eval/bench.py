@@ -66,6 +66,8 @@ ALL_METHODS = [
     "eagle3-tuned",
     "eagle3-tuned+lookup",
     "eagle3-tree",
+    "ours-plain+q4",
+    "eagle3-tuned+lookup+q4",
 ]
 LOOKUP_SUFFIX = "+lookup"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
