@@ -26,9 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from maverick.q4 import Q4Weight, group_pack, live_pack, q4_matmul, use_q4
+from maverick.q4 import Q4_MAX_ROWS, Q4Weight, group_pack, live_pack, q4_matmul, use_q4
 
 PACKED_MAX_ROWS = 64
+assert Q4_MAX_ROWS == PACKED_MAX_ROWS  # short_linear's chunks must fit both kernels
 
 # (id of the first weight, number of weights) -> (weakref to the first weight, key, packed copy). A plain dict
 # looked up by id is several us cheaper per call than a WeakIdKeyDictionary; the weakref's callback drops
@@ -109,6 +110,18 @@ def fused_linear(x: Tensor, layers: Sequence[nn.Module]) -> Tensor:
                 return q4_matmul(x, w4)
         return group_linear(x, [layer.weight for layer in layers])
     return torch.cat([layer(x) for layer in layers], dim=-1)
+
+
+def short_linear(x: Tensor, layers: Sequence[nn.Module]) -> Tensor:
+    """`fused_linear` with at most PACKED_MAX_ROWS rows per call, for short calls (decode, verify): every row
+    then runs on the row-count-invariant packed (or 4-bit) kernel whatever the batch size, so a batch that
+    verifies B * (k + 1) > 64 rows keeps the bits of decoding its B rows (one call of 80 rows would take
+    `F.linear`, whose bits differ)."""
+    R = x.numel() // x.shape[-1]
+    if R <= PACKED_MAX_ROWS:
+        return fused_linear(x, layers)
+    out = torch.cat([fused_linear(c, layers) for c in x.reshape(R, x.shape[-1]).split(PACKED_MAX_ROWS)])
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 class Linear(nn.Linear):

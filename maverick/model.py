@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from maverick.config import Llama4Config
 from maverick.kv_cache import KVCache, attention_mask
-from maverick.linear import Linear, fused_linear
+from maverick.linear import Linear, fused_linear, short_linear
 
 
 def init_weights(module: nn.Module, std: float = 0.02, generator: torch.Generator | None = None) -> None:
@@ -304,17 +304,17 @@ class DecoderLayer(nn.Module):
         """`forward` for short inference calls on the exact path (decoding, verification; `Llama4.forward`
         decides, with `flat_ok`): the same ops on the same (packed) weights, so the same bits
         (tests/test_model.py), without the submodule calls: norms inline, projections through
-        `fused_linear`, the attention core shared with `Attention.forward` (`attend`). A SmolLM2 decode
+        `short_linear`, the attention core shared with `Attention.forward` (`attend`). A SmolLM2 decode
         step is ~4% faster on this CPU: at 135M parameters a step costs about as much in Python as in
         weights."""
         a, f = self.self_attn, self.feed_forward
         h = _rms(x, self.input_layernorm.eps) * self.input_layernorm.weight
-        o = a.attend(fused_linear(h, (a.q_proj, a.k_proj, a.v_proj)), ctx)
-        x = x + fused_linear(o, (a.o_proj,))
+        o = a.attend(short_linear(h, (a.q_proj, a.k_proj, a.v_proj)), ctx)
+        x = x + short_linear(o, (a.o_proj,))
         h = _rms(x, self.post_attention_layernorm.eps) * self.post_attention_layernorm.weight
-        gate_up = fused_linear(h, (f.gate_proj, f.up_proj))
+        gate_up = short_linear(h, (f.gate_proj, f.up_proj))
         I = gate_up.shape[-1] // 2
-        return x + fused_linear(F.silu(gate_up[..., :I]) * gate_up[..., I:], (f.down_proj,))
+        return x + short_linear(F.silu(gate_up[..., :I]) * gate_up[..., I:], (f.down_proj,))
 
 
 @dataclass
@@ -450,12 +450,15 @@ class Llama4(nn.Module):
             cache.advance(T)
         h = self.model.norm(x)
         out_logits = None
+        head = self.lm_head
+        if exact:  # a batch's verify may exceed 64 rows: keep the bits of its decode steps (short_linear)
+            head = lambda z: short_linear(z, (self.lm_head,))  # noqa: E731
         if isinstance(logits, Tensor):
-            out_logits = self.lm_head(h.gather(1, logits[..., None].expand(-1, -1, h.shape[-1])))
+            out_logits = head(h.gather(1, logits[..., None].expand(-1, -1, h.shape[-1])))
         elif logits == "all":
-            out_logits = self.lm_head(h)
+            out_logits = head(h)
         elif logits == "last":
-            out_logits = self.lm_head(h[:, -1:])
+            out_logits = head(h[:, -1:])
         elif logits is not None:
             raise ValueError(f"logits must be 'all', 'last', None or an index tensor, got {logits!r}")
         features = torch.cat([feats[i] for i in feature_layers], dim=-1) if feature_layers else None
