@@ -104,6 +104,35 @@ def test_fused_linear_equals_separate_layers():
         assert grads.requires_grad
 
 
+def test_fused_linear_remembers_its_choice_and_follows_changes():
+    """The kernel chosen for a group of layers is remembered: later calls give the same bits, and a weight
+    written in place or replaced, other layers led by the same first one, or a call that wants gradients
+    each take the full path again."""
+    torch.manual_seed(2)
+    layers = (Linear(64, 32, bias=False).bfloat16(), Linear(64, 16, bias=False).bfloat16())
+    other = Linear(64, 16, bias=False).bfloat16()
+    x = torch.randn(3, 64).bfloat16()
+
+    def ref(group):
+        return torch.cat([F.linear(x, m.weight) for m in group], -1)
+
+    with torch.no_grad():
+        first = fused_linear(x, layers)
+        assert layers[0]._plans  # remembered
+        torch.testing.assert_close(fused_linear(x, layers), first, rtol=0, atol=0)
+        torch.testing.assert_close(fused_linear(x, list(layers)), first, rtol=0, atol=0)
+        torch.testing.assert_close(
+            fused_linear(x, (layers[0], other)), ref((layers[0], other)), rtol=0, atol=0
+        )
+        layers[1].weight.mul_(2)
+        torch.testing.assert_close(fused_linear(x, layers), ref(layers), rtol=0, atol=0)
+        layers[0].weight = torch.nn.Parameter(torch.randn(32, 64).bfloat16())
+        torch.testing.assert_close(fused_linear(x, layers), ref(layers), rtol=0, atol=0)
+    y = fused_linear(x, layers)  # grad enabled: F.linear, with gradients
+    y.float().sum().backward()
+    assert layers[0].weight.grad is not None and layers[1].weight.grad is not None
+
+
 def test_fused_linear_leaves_fp8_layers_to_themselves():
     layers = [Linear(64, 32, bias=False).bfloat16(), Linear(64, 16, bias=False).bfloat16()]
     layers[1] = Float8WeightOnlyLinear.from_float(layers[1])

@@ -101,6 +101,9 @@ def test_grouped_layers_give_each_layers_bits():
         assert len(layers[0].q4.groups) == 1
         fused_linear(x[:1], layers)
         assert len(layers[0].q4.groups) == 1  # made once
+        layers[2].weight.mul_(2)  # written: no longer the pack's weights, the dense path for all three
+        dense = torch.cat([F.linear(x, m.weight) for m in layers], -1)
+        torch.testing.assert_close(fused_linear(x, layers), dense, rtol=0, atol=0)
 
 
 def test_dense_weight_for_many_rows_gradients_and_after_writes():
