@@ -217,6 +217,7 @@ def test_01_quickstart(tmp_path, monkeypatch):
     r = _execute("01_quickstart", tmp_path, monkeypatch)
     assert r["small"] is True
     assert r["identical"] is True
+    assert r["q4_identical"] is True
     assert r["plain_tokens_per_s"] > 0 and r["spec_tokens_per_s"] > 0
     assert r["speedup"] == pytest.approx(r["spec_tokens_per_s"] / r["plain_tokens_per_s"], rel=1e-12)
     assert 1.0 <= r["tau"] <= r["k"] + 1
