@@ -117,10 +117,7 @@ def q4_parts(data: np.ndarray | Tensor, qtype: GGMLQuantizationType, shape: tupl
     if qtype not in (Q.Q4_0, Q.Q4_1):
         raise ValueError(f"4-bit packing takes Q4_0 or Q4_1 tensors, not {qtype.name}")
     N, K = shape
-    raw_B = torch.from_numpy(np.array(data, copy=True).view(np.uint8).reshape(-1))
-    b = _blocks(raw_B, qtype)  # [N * K / 32, 18 or 20]
-    if b.shape[0] * 32 != N * K:
-        raise ValueError(f"{qtype.name} data of {raw_B.numel()} bytes does not hold shape {tuple(shape)}")
+    b = _blocks(_raw_bytes(data, qtype, shape), qtype)  # [N * K / 32, 18 or 20]
     d = _fp16_col(b[:, :2])
     if qtype == Q.Q4_0:
         codes, zero = _nibbles(b[:, 2:]), torch.zeros_like(d)
@@ -143,17 +140,9 @@ def _type_names(types) -> str:
     return ", ".join(t.name for t in types)
 
 
-def dequantize(data: np.ndarray | Tensor, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> Tensor:
-    """Raw GGUF tensor bytes (any array viewing them) -> a new fp32 tensor of PyTorch `shape`.
-
-    `shape` is in PyTorch order (outermost first), i.e. the reverse of GGUF's ne list. The bytes are
-    copied first, so the result never aliases the read-only memory map.
-    """
-    qtype = GGMLQuantizationType(qtype)
-    if qtype not in _DEQUANT:
-        raise ValueError(
-            f"GGUF tensor type {qtype.name} is not supported (supported: {_type_names(SUPPORTED_TYPES)})"
-        )
+def _raw_bytes(data: np.ndarray | Tensor, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> Tensor:
+    """A copy of a tensor's raw bytes (uint8, never aliasing the read-only memory map), checked to hold
+    `shape` in whole blocks of `qtype`."""
     if isinstance(data, Tensor):
         raw_B = data.detach().reshape(-1).contiguous().view(torch.uint8).clone()
     else:
@@ -165,6 +154,21 @@ def dequantize(data: np.ndarray | Tensor, qtype: GGMLQuantizationType, shape: tu
             f"{qtype.name} data of {raw_B.numel()} bytes does not hold shape {tuple(shape)} "
             f"({block_size} elements per {type_size}-byte block)"
         )
+    return raw_B
+
+
+def dequantize(data: np.ndarray | Tensor, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> Tensor:
+    """Raw GGUF tensor bytes (any array viewing them) -> a new fp32 tensor of PyTorch `shape`.
+
+    `shape` is in PyTorch order (outermost first), i.e. the reverse of GGUF's ne list. The bytes are
+    copied first, so the result never aliases the read-only memory map.
+    """
+    qtype = GGMLQuantizationType(qtype)
+    if qtype not in _DEQUANT:
+        raise ValueError(
+            f"GGUF tensor type {qtype.name} is not supported (supported: {_type_names(SUPPORTED_TYPES)})"
+        )
+    raw_B = _raw_bytes(data, qtype, shape)
     return _DEQUANT[qtype](raw_B).reshape(shape)
 
 

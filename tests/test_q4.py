@@ -129,6 +129,8 @@ def test_bad_input_is_refused():
         Q4Weight(torch.zeros(10, 64, dtype=torch.uint8), torch.ones(10, 2), torch.zeros(10, 2))
     with pytest.raises(ValueError, match="0..15"):
         Q4Weight(torch.full((16, 64), 16, dtype=torch.uint8), torch.ones(16, 2), torch.zeros(16, 2))
+    with pytest.raises(ValueError, match="does not hold shape"):
+        q4_parts(np.zeros(19, np.uint8), Q.Q4_1, (1, 32))  # a cut-off block
     with pytest.raises(ValueError, match="not Q8_0"):
         q4_parts(np.zeros(34, np.uint8), Q.Q8_0, (1, 32))
     with pytest.raises(ValueError, match="bf16 on CPU"):
