@@ -311,7 +311,8 @@ def load_draft(
     if not cfg_file.exists():
         raise FileNotFoundError(f"no config.json in draft directory {path}")
     cfg = DraftConfig.from_hf_dict(json.loads(cfg_file.read_text()), source=str(cfg_file))
-    files = sorted(path.glob("*.safetensors"))
+    # a datastore (eagle3/datastore.py) may ship beside the weights: it is not part of the draft
+    files = sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("datastore"))
     if not files:
         raise FileNotFoundError(f"no .safetensors file in draft directory {path}")
     sd: dict[str, Tensor] = {}

@@ -14,7 +14,9 @@ One cycle, chain (B rows; row b has n_b committed tokens in the target cache and
 Prompt lookup (`lookup=LookupConfig()`, chains only): each cycle, a row whose last tokens occurred earlier
 in its sequence (prompt + output) drafts the tokens that followed them (eagle3/lookup.py) instead of
 running the draft; rows without a match use the EAGLE-3 draft. Rows of one batch may mix the two: the
-verify pass takes the longest draft and each row accepts only within its own.
+verify pass takes the longest draft and each row accepts only within its own. With a `datastore`
+(eagle3/datastore.py) a row whose sequence has no match tries the store of the target's own answers next:
+retrieval drafts (REST) by copying what the target wrote after the same words elsewhere.
 
 Trees (EAGLE-2): expand `depth` levels, each level the `top_k` best nodes (by cumulative draft log-prob)
 get `top_k` children; the best `total_tokens` nodes are verified in one target pass with a tree
@@ -33,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from eagle3.datastore import Datastore
 from eagle3.draft import Eagle3Draft
 from eagle3.lookup import LookupConfig, NgramIndex
 from eagle3.sampling import (
@@ -63,7 +66,8 @@ class SpecStats:
     accepted: list[int] = field(default_factory=list)  # per cycle (row 0 for batches; see accepted_rows)
     accepted_rows: list[list[int]] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)  # k per cycle (trees: the depth)
-    lookup_rows: list[int] = field(default_factory=list)  # per cycle: rows whose draft was looked up
+    lookup_rows: list[int] = field(default_factory=list)  # per cycle: rows whose draft was copied
+    store_rows: list[int] = field(default_factory=list)  # per cycle: of those, rows copied from the datastore
     tree_nodes: list[int] = field(default_factory=list)  # trees: draft nodes verified per cycle
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -73,6 +77,11 @@ class SpecStats:
     def lookup_cycles(self) -> int:
         """Cycles in which some row's draft was copied by prompt lookup."""
         return sum(1 for n in self.lookup_rows if n)
+
+    @property
+    def store_cycles(self) -> int:
+        """Cycles in which some row's draft came from the datastore."""
+        return sum(1 for n in self.store_rows if n)
 
     @property
     def tau(self) -> float:
@@ -93,7 +102,8 @@ class SpecDecoder:
     FixedK, HeuristicK, DraftLengthTuner). tree: a TreeConfig to draft trees instead of chains (batch 1).
     compile_draft: torch.compile the one-token draft step (fixed shapes: it attends over the whole
     preallocated draft cache, so changing k never recompiles). lookup: a LookupConfig to draft by prompt
-    lookup where the sequence repeats itself, the EAGLE-3 draft elsewhere (chains only).
+    lookup where the sequence repeats itself, the EAGLE-3 draft elsewhere (chains only). datastore: a
+    Datastore tried after the sequence itself (needs lookup).
     """
 
     def __init__(
@@ -105,7 +115,10 @@ class SpecDecoder:
         tree: TreeConfig | None = None,
         compile_draft: bool = False,
         lookup: LookupConfig | None = None,
+        datastore: Datastore | None = None,
     ):
+        if datastore is not None and lookup is None:
+            raise ValueError("a datastore extends prompt lookup: pass lookup=LookupConfig() with it")
         if tree is not None and lookup is not None:
             raise ValueError("prompt lookup drafts chains; it does not combine with tree drafting")
         if draft.config.vocab_size != target.config.vocab_size:
@@ -123,6 +136,7 @@ class SpecDecoder:
         self.policy = policy if policy is not None else FixedK(4)
         self.tree = tree
         self.lookup = lookup
+        self.datastore = datastore
         self.compile_draft = compile_draft
         self.d2t_ids = draft.draft_to_target_ids  # [V'] draft id -> target id
         self._caches(1)
@@ -218,6 +232,11 @@ class SpecDecoder:
                 proposals = None
                 if index is not None:
                     proposals = [[] if done[b] else (index[b].propose() or None) for b in range(B)]
+                    if self.datastore is not None:
+                        stored = [b for b in range(B) if proposals[b] is None]
+                        for b in stored:
+                            proposals[b] = self.datastore.propose(index[b].tokens) or None
+                        stats.store_rows.append(sum(proposals[b] is not None for b in stored))
                 emitted, h, last = self._chain_cycle(h, last, sampling, generator, stats, proposals)
                 if index is not None:
                     for ix, e in zip(index, emitted):

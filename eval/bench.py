@@ -13,7 +13,8 @@ Methods named <method>+fp8 run on an FP8 copy of the target (checked against our
 <method>+q4 on the target with its GGUF Q4 linears kept packed (maverick/q4.py; bf16 only; checked against
 ours-plain+q4).
 Methods named eagle3-...+lookup draft by prompt lookup where the text repeats itself and with the EAGLE-3
-draft elsewhere (eagle3/lookup.py).
+draft elsewhere (eagle3/lookup.py); eagle3-...+lookup+store also copy from a datastore of the target's own
+answers (eagle3/datastore.py, --datastore) where the sequence itself has no match.
 
 Output: the config first, a progress bar, then the table; report.json (all records), report.md and plots
 in --out.
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from eagle3.datastore import Datastore
 from eagle3.draft import load_draft
 from eagle3.lookup import LookupConfig
 from eagle3.sampling import SamplingParams
@@ -65,11 +67,13 @@ ALL_METHODS = [
     "eagle3-k5",
     "eagle3-tuned",
     "eagle3-tuned+lookup",
+    "eagle3-tuned+lookup+store",
     "eagle3-tree",
     "ours-plain+q4",
     "eagle3-tuned+lookup+q4",
 ]
 LOOKUP_SUFFIX = "+lookup"
+STORE_SUFFIX = "+store"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -118,6 +122,12 @@ def build_decoder(name: str, target, draft, max_len: int, args) -> Decoder | Spe
     """Our decoder for a method name (without a "+fp8" / "+q4" suffix)."""
     if name == "ours-plain":
         return Decoder(target, max_len=max_len)
+    datastore = None
+    if name.endswith(STORE_SUFFIX):
+        name = name.removesuffix(STORE_SUFFIX)
+        if not name.endswith(LOOKUP_SUFFIX):
+            raise ValueError(f"'{STORE_SUFFIX}' extends prompt lookup: name the method <method>+lookup+store")
+        datastore = Datastore.load(datastore_path(args))
     lookup = LookupConfig() if name.endswith(LOOKUP_SUFFIX) else None
     name = name.removesuffix(LOOKUP_SUFFIX)
     fixed_k = name.removeprefix("eagle3-k")
@@ -125,7 +135,7 @@ def build_decoder(name: str, target, draft, max_len: int, args) -> Decoder | Spe
         name.startswith("eagle3-k") and fixed_k.isdigit()
     ):
         raise ValueError(
-            f"unknown method {name!r}; known: {', '.join(ALL_METHODS)} (eagle3 chains also with '{LOOKUP_SUFFIX}', "
+            f"unknown method {name!r}; known: {', '.join(ALL_METHODS)} (eagle3 chains also with '{LOOKUP_SUFFIX}' or '{LOOKUP_SUFFIX}{STORE_SUFFIX}', "
             f"ours with '{FP8_SUFFIX}' or '{Q4_SUFFIX}')"
         )
     if draft is None:
@@ -145,7 +155,14 @@ def build_decoder(name: str, target, draft, max_len: int, args) -> Decoder | Spe
         tree=tree,
         compile_draft=args.compile_draft,
         lookup=lookup,
+        datastore=datastore,
     )
+
+
+def datastore_path(args) -> Path:
+    """--datastore, or the datastore.safetensors shipped beside the draft."""
+    path = getattr(args, "datastore", None)
+    return Path(path) if path else Path(getattr(args, "draft", DEFAULT_DRAFT)) / "datastore.safetensors"
 
 
 class Runner:
@@ -219,6 +236,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gguf", default=None, help="target GGUF (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT), help="EAGLE-3 draft directory")
+    ap.add_argument("--datastore", default=None,
+                    help="datastore for methods named <method>+lookup+store (default: datastore.safetensors in "
+                         "the draft directory; build one with python -m train.datastore)")  # fmt: skip
     ap.add_argument("--tree-depth", type=int, default=5)
     ap.add_argument("--tree-top-k", type=int, default=6)
     ap.add_argument("--tree-tokens", type=int, default=24)
@@ -321,7 +341,10 @@ def main(argv=None) -> int:
     greedy = sampling_params(args).greedy  # sampled outputs differ by design: checked in distribution instead
     summaries = summarise(records, baseline="ours-plain", hf_baseline="hf-generate", compare_outputs=greedy)
     for m, r in runners.items():
-        if m.removesuffix(variant(m)).removesuffix(LOOKUP_SUFFIX) == "eagle3-tuned":
+        if (
+            m.removesuffix(variant(m)).removesuffix(STORE_SUFFIX).removesuffix(LOOKUP_SUFFIX)
+            == "eagle3-tuned"
+        ):
             config["tuner" + m.removeprefix("eagle3-tuned")] = _jsonable(r.dec.policy.summary())
     checks = []
     if not greedy and args.dist_samples > 0:
