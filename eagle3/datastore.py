@@ -15,9 +15,12 @@ so finding the occurrences is a binary search. The continuation is voted token b
 occurrences that disagree drop out, and the vote goes on with the rest while any is left.
 
 Measured on MT-bench (the target's greedy turn-1 answers, teacher-forced, where prompt lookup found no
-match): a store of 1.1M tokens of the target's answers to ShareGPT prompts matched 3-5 grams at 48% of
-those positions, with the first copied token right 44% of the time and 0.93 tokens accepted per
-proposal on average (the shipped EAGLE-3 draft: ~39% at its first position).
+match): a store of 1.1M tokens of the target's answers to ShareGPT prompts matched a 4- or 3-gram at 49%
+of those positions, with the first copied token right 44% of the time and 0.91 tokens accepted per
+proposal (the shipped EAGLE-3 draft: ~39% at its first position). In decoding (run v10-store, the shipped
+1.97M-token store): tau 2.62 -> 2.86 and +3.7% tokens/s on the dense bf16 target, but -11% on the 4-bit
+target, whose verify cost grows with every extra row (maverick/q4.py), so there the 10-token copies cost
+more than they bring.
 
     store = Datastore.load("eagle3/drafts/smollm2-135m-instruct/datastore.safetensors")
     SpecDecoder(target, draft, lookup=LookupConfig(), datastore=store)
