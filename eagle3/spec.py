@@ -75,7 +75,7 @@ class SpecStats:
 
     @property
     def lookup_cycles(self) -> int:
-        """Cycles in which some row's draft was copied by prompt lookup."""
+        """Cycles in which some row's draft was copied (prompt lookup, or the datastore: see store_cycles)."""
         return sum(1 for n in self.lookup_rows if n)
 
     @property

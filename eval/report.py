@@ -54,7 +54,7 @@ class RunRecord:
     draft_lengths: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
-    lookup_cycles: int = 0  # cycles whose draft was copied by prompt lookup (eagle3/lookup.py)
+    lookup_cycles: int = 0  # cycles whose draft was copied (eagle3/lookup.py, eagle3/datastore.py)
     peak_memory_mb: float = 0.0
     output_ids: list[int] = field(default_factory=list)
     dtype: str = ""
