@@ -71,20 +71,25 @@ class Datastore:
             )
         self.max_tokens, self.max_candidates = max_tokens, max_candidates
         flat: list[int] = []
-        n_runs = 0
-        for run in runs:
+        for i, run in enumerate(runs):
             run = [int(t) for t in run]
-            if not run:
-                continue
-            bad = [t for t in run if not 0 <= t < 2**_BITS]
-            if bad:
-                raise ValueError(f"Datastore: run {n_runs} has token ids outside [0, {2**_BITS}): {bad[:4]}")
-            flat += run
-            flat.append(_SEP)
-            n_runs += 1
-        self.n_runs = n_runs
+            if run and min(run) < 0:  # -1 would read as a separator
+                raise ValueError(
+                    f"Datastore: run {i} has negative token ids: {[t for t in run if t < 0][:4]}"
+                )
+            if run:
+                flat += run
+                flat.append(_SEP)
+        self._set_tokens(torch.tensor(flat, dtype=torch.long))
+
+    def _set_tokens(self, flat: Tensor) -> None:
+        """Index the runs `flat` (each ended by a separator)."""
+        bad = (flat != _SEP) & ((flat < 0) | (flat >= 2**_BITS))
+        if bool(bad.any()):
+            raise ValueError(f"Datastore: token ids outside [0, {2**_BITS}): {flat[bad][:4].tolist()}")
+        self.n_runs = int((flat == _SEP).sum())
         # padded with separators so that reading max_tokens past any position stays in bounds
-        self.tokens = torch.tensor(flat + [_SEP] * max_tokens, dtype=torch.long)
+        self.tokens = torch.cat([flat, torch.full((self.max_tokens,), _SEP, dtype=torch.long)])
         self._index = {n: self._build(n) for n in self.sizes}
 
     @property
@@ -101,19 +106,8 @@ class Datastore:
         starts = torch.arange(L - n)
         windows = torch.stack([t[starts + j] for j in range(n + 1)], 1)  # the n-gram and its next token
         ok = (windows != _SEP).all(1)
-        key = windows[ok, 0] - _OFFSET
-        for j in range(1, n):
-            key = key * 2**_BITS + windows[ok, j]
-        order = torch.sort(key, stable=True)
+        order = torch.sort(_keys(windows[ok, :n]), stable=True)
         return order.values, (starts[ok] + n)[order.indices]
-
-    def _key(self, gram: Sequence[int]) -> int | None:
-        if not all(0 <= t < 2**_BITS for t in gram):
-            return None
-        key = int(gram[0]) - _OFFSET
-        for t in gram[1:]:
-            key = key * 2**_BITS + int(t)
-        return key
 
     def propose(self, context: Sequence[int], max_tokens: int | None = None) -> list[int]:
         """The voted continuation of the longest suffix of `context` (of the store's sizes) that occurs in
@@ -122,11 +116,11 @@ class Datastore:
         for n in self.sizes:
             if len(context) < n:
                 continue
-            key = self._key(context[-n:])
+            gram = context[-n:]
             keys, pos = self._index[n]
-            if key is None or keys.numel() == 0:
+            if keys.numel() == 0 or not all(0 <= t < 2**_BITS for t in gram):
                 continue
-            k = torch.tensor([key])
+            k = _keys(torch.tensor([gram]))
             lo = int(torch.searchsorted(keys, k))
             hi = int(torch.searchsorted(keys, k, right=True))
             if hi > lo:
@@ -191,14 +185,15 @@ class Datastore:
             "max_tokens": int(info.get("max_tokens", 10)),
             "max_candidates": int(info.get("max_candidates", 256)),
         } | overrides
-        return cls(_split_runs(tokens), **settings)
+        store = cls((), **settings)  # checks the settings
+        store._set_tokens(tokens)
+        return store
 
 
-def _split_runs(tokens: Tensor) -> list[list[int]]:
-    ends = (tokens == _SEP).nonzero()[:, 0].tolist()
-    runs, start = [], 0
-    flat = tokens.tolist()
-    for e in ends:
-        runs.append(flat[start:e])
-        start = e + 1
-    return runs
+def _keys(grams: Tensor) -> Tensor:
+    """[M, n] token ids (each < 2^16) -> [M] int64 keys, ordered as the n-grams are lexicographically.
+    The first token is offset so that a 4-gram's key stays within a signed 64-bit int."""
+    key = grams[:, 0] - _OFFSET
+    for j in range(1, grams.shape[1]):
+        key = key * 2**_BITS + grams[:, j]
+    return key

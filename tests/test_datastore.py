@@ -71,6 +71,8 @@ def test_large_token_ids_and_four_grams():
     assert store.propose([0, hi - 1, 0, hi]) == [8]
     with pytest.raises(ValueError, match="outside"):
         Datastore([[1, 2**16]])
+    with pytest.raises(ValueError, match="run 1 has negative"):
+        Datastore([[1, 2], [3, -1, 4]])
 
 
 @pytest.mark.parametrize("kw", [dict(sizes=(5,)), dict(sizes=()), dict(max_tokens=0), dict(max_candidates=0)])
