@@ -10,8 +10,9 @@ the exit status 1); HF's methods are a different implementation, so their differ
 At temperature > 0 outputs differ by design; instead each method of ours passes a distribution check of
 the first token a speculative cycle emits against the target's exact marginal (eval/distcheck.py).
 Methods named <method>+fp8 run on an FP8 copy of the target (checked against ours-plain+fp8), and
-<method>+q4 on the target with its GGUF Q4 linears kept packed (maverick/q4.py; bf16 only; checked against
-ours-plain+q4).
+<method>+q4 on the target with its GGUF linears kept packed (bf16: the Q4 linears in torch's int4 kernel,
+maverick/q4.py; fp32: every quantised linear as one-byte codes, the same weights, maverick/codes.py;
+checked against ours-plain+q4).
 Methods named eagle3-...+lookup draft by prompt lookup where the text repeats itself and with the EAGLE-3
 draft elsewhere (eagle3/lookup.py); eagle3-...+lookup+store also copy from a datastore of the target's own
 answers (eagle3/datastore.py, --datastore) where the sequence itself has no match.
@@ -296,7 +297,7 @@ def main(argv=None) -> int:
 
         targets[FP8_SUFFIX] = convert_to_fp8_weight_only(copy.deepcopy(target))
     if any(variant(m) == Q4_SUFFIX for m in methods):
-        targets[Q4_SUFFIX] = load_gguf_model(gguf, dtype=dtype, q4=True)  # refuses fp32
+        targets[Q4_SUFFIX] = load_gguf_model(gguf, dtype=dtype, q4=True)
     runners = {m: Runner(m, args, targets[variant(m)], draft, hf, eos) for m in methods}
 
     prompts = load_benchmark(args.bench, n=args.n, path=args.prompts)

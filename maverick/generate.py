@@ -177,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--q4", action="store_true",
-                    help="keep the GGUF's Q4 linears packed (bf16 only; maverick/q4.py): faster decoding")  # fmt: skip
+                    help="keep the GGUF's quantised linears packed (bf16: maverick/q4.py; fp32: maverick/codes.py): faster decoding")  # fmt: skip
     args = ap.parse_args(argv)
 
     if args.q4 and args.compile:

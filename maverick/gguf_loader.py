@@ -60,6 +60,8 @@ class GGUFCheckpoint:
     path: Path
     # with read_gguf(q4=True): per Q4_0/Q4_1 parameter, its codes and per-32 scale and zero (q4_parts)
     q4: dict[str, tuple[Tensor, Tensor, Tensor]] | None = None
+    # with read_gguf(codes=True): per Q4_0/Q4_1/Q8_0 matrix, its codes, scale and offset (codes_parts)
+    codes: dict[str, tuple[Tensor, Tensor, Tensor]] | None = None
 
 
 def default_gguf_path() -> Path:
@@ -124,6 +126,28 @@ def q4_parts(data: np.ndarray | Tensor, qtype: GGMLQuantizationType, shape: tupl
     else:
         codes, zero = _nibbles(b[:, 4:]), _fp16_col(b[:, 2:4]) + 8.0 * d
     return codes.reshape(N, K), d.reshape(N, K // 32), zero.reshape(N, K // 32)
+
+
+def codes_parts(data: np.ndarray | Tensor, qtype: GGMLQuantizationType, shape: tuple[int, int]):
+    """A Q4_0 / Q4_1 / Q8_0 matrix [N, K] as (codes [N, K], scale, offset [N, K / 32] fp32) with
+    w = codes * scale + offset, equal in fp32 to the dequantisation above bit for bit (for maverick.codes):
+    Q4_1 codes 0..15 uint8, scale d, offset m; Q4_0 the same with offset -8 d (d * (q - 8) = d * q - 8 d
+    exactly, both products fit fp32); Q8_0 codes q + 128 as uint8, scale d, offset -128 d (d * (q + 128)
+    fits fp32's 24 bits, and adding -128 d leaves d * q, which fp32 holds exactly)."""
+    qtype = GGMLQuantizationType(qtype)
+    if qtype not in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+        raise ValueError(f"code packs take Q4_0, Q4_1 or Q8_0 tensors, not {qtype.name}")
+    N, K = shape
+    b = _blocks(_raw_bytes(data, qtype, shape), qtype)  # [N * K / 32, 18, 20 or 34]
+    d = _fp16_col(b[:, :2])
+    if qtype == Q.Q4_0:
+        codes, offset = _nibbles(b[:, 2:]), -8.0 * d
+    elif qtype == Q.Q4_1:
+        codes, offset = _nibbles(b[:, 4:]), _fp16_col(b[:, 2:4])
+    else:
+        codes = (b[:, 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+        offset = -128.0 * d
+    return codes.reshape(N, K), d.reshape(N, K // 32), offset.reshape(N, K // 32)
 
 
 _DEQUANT = {
@@ -421,6 +445,7 @@ def read_gguf(
     *,
     rope_scaling: dict[str, Any] | None = None,
     q4: bool = False,
+    codes: bool = False,
 ) -> GGUFCheckpoint:
     """Read a dense-Llama GGUF into our config dict and state dict (weights dequantised to `dtype`).
 
@@ -428,6 +453,8 @@ def read_gguf(
     rope_scaling: llama3 scaling parameters to check against a `rope_freqs` tensor when the metadata
         lacks them (llama.cpp stores only the derived factors).
     q4: also keep the Q4_0 / Q4_1 matrices' codes, scales and zeros (`GGUFCheckpoint.q4`, see q4_parts).
+    codes: also keep the Q4_0 / Q4_1 / Q8_0 matrices' codes, scales and offsets (`GGUFCheckpoint.codes`,
+        see codes_parts).
     """
     path = Path(path) if path is not None else default_gguf_path()
     reader = _open(path)
@@ -453,6 +480,7 @@ def read_gguf(
     shapes = expected_shapes(config)
     state_dict: dict[str, Tensor] = {}
     parts: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
+    code_parts: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
     for t in reader.tensors:
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF ne0 is innermost
         if t.name == ROPE_FREQS:
@@ -469,9 +497,16 @@ def read_gguf(
         state_dict[name] = dequantize(t.data, t.tensor_type, shape).to(dtype)
         if q4 and t.tensor_type in (Q.Q4_0, Q.Q4_1) and len(shape) == 2:
             parts[name] = q4_parts(t.data, t.tensor_type, shape)
+        if codes and t.tensor_type in (Q.Q4_0, Q.Q4_1, Q.Q8_0) and len(shape) == 2:
+            code_parts[name] = codes_parts(t.data, t.tensor_type, shape)
     missing = sorted(set(shapes) - set(state_dict))
     if missing:
         raise ValueError(f"{path}: GGUF file lacks tensors for {len(missing)} parameters: {missing[:8]}")
     return GGUFCheckpoint(
-        config=config, state_dict=state_dict, metadata=meta, path=path, q4=parts if q4 else None
+        config=config,
+        state_dict=state_dict,
+        metadata=meta,
+        path=path,
+        q4=parts if q4 else None,
+        codes=code_parts if codes else None,
     )

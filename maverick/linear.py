@@ -26,10 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from maverick.codes import CODES_MAX_ROWS, CodePack, codes_matmul, use_codes
 from maverick.q4 import Q4_MAX_ROWS, Q4Weight, group_pack, live_pack, q4_matmul, use_q4
 
 PACKED_MAX_ROWS = 64
-assert Q4_MAX_ROWS == PACKED_MAX_ROWS  # short_linear's chunks must fit both kernels
+assert Q4_MAX_ROWS == CODES_MAX_ROWS == PACKED_MAX_ROWS  # short_linear's chunks must fit every kernel
 
 # (id of the first weight, number of weights) -> (weakref to the first weight, key, packed copy). A plain dict
 # looked up by id is several us cheaper per call than a WeakIdKeyDictionary; the weakref's callback drops
@@ -101,48 +102,101 @@ def group_linear(x: Tensor, weights: Sequence[Tensor]) -> Tensor:
 
 def fused_linear(x: Tensor, layers: Sequence[nn.Module]) -> Tensor:
     """`torch.cat([layer(x) for layer in layers], -1)`, through one call when every layer is a bias-free
-    `Linear`: on their 4-bit packs (maverick/q4.py) when they all have one and `use_q4` holds, else
-    `group_linear` (other layers, e.g. FP8, compute themselves). A decode step makes ~120 of these calls,
-    so the choice is remembered (`_remembered`) and only re-checked, saving ~10 us of a ~35 us call."""
+    `Linear`: on their 4-bit packs (maverick/q4.py) when they all have one and `use_q4` holds, on their
+    code packs (maverick/codes.py) when `use_codes` does, else `group_linear` (other layers, e.g. FP8,
+    compute themselves). A decode step makes ~120 of these calls, so the choice is remembered
+    (`_remembered`) and only re-checked, saving ~10 us of a ~35 us call."""
     fast = _remembered(x, layers)
     if fast is not None:
         return fast(x)
     if all(type(layer) is Linear and layer.bias is None for layer in layers):
+        fn = None
         if layers[0].q4 is not None and use_q4(x, layers):
             w4 = group_pack(layers)
             if w4 is not None:
-                _remember(layers, lambda x: q4_matmul(x, w4))
-                return q4_matmul(x, w4)
+                fn = row_safe(lambda x: q4_matmul(x, w4), "q4", w4.shape, x.dtype)
+        if fn is None and layers[0].codes is not None and use_codes(x, layers):
+            pack = group_pack(layers, "codes")
+            if pack is not None:
+                fn = row_safe(lambda x: codes_matmul(x, pack), "codes", pack.shape, x.dtype)
         weights = [layer.weight for layer in layers]
-        if all(use_packed(x, w) for w in weights):
+        if fn is None and all(use_packed(x, w) for w in weights):
             packed = packed_weights(weights)
-            _remember(layers, lambda x: packed_linear(x, packed, None))
+            shape = (sum(w.shape[0] for w in weights), weights[0].shape[1])
+            fn = row_safe(lambda x: packed_linear(x, packed, None), "packed", shape, x.dtype)
+        if fn is not None:
+            _remember(x, layers, fn)
+            return fn(x)
         return group_linear(x, weights)
     return torch.cat([layer(x) for layer in layers], dim=-1)
 
 
-def _remember(layers: Sequence[nn.Module], fn) -> None:
-    """Keep on the first layer the kernel call chosen for these layers, with the weights it stands for."""
+# (kernel, N, K, dtype) -> the most rows a call may have with every row keeping its one-row bits
+_row_limits: dict[tuple, int] = {}
+
+
+def invariant_rows(fn, kind: str, shape: tuple[int, int], dtype: torch.dtype) -> int:
+    """The largest row count r <= 64 such that `fn` (a matmul by an [N, K] weight) gives every row of a call
+    of up to r rows the bits it has alone. Kernels choose their code path by shape, not by values, so this
+    is probed once per (kernel, shape, dtype): 64 random rows, in calls of r rows for every r (a differing
+    accumulation order shows in only a few of the 64 x N results). 64 for every SmolLM2 shape on the Xeon
+    with AMX this was written on; 1 for oneDNN's bf16 kernel on a [576, 1536] weight on AMD EPYC (Zen 4),
+    where one row takes another kernel than two."""
+    key = (kind, *shape, dtype)
+    limit = _row_limits.get(key)
+    if limit is None:
+        x = torch.randn(PACKED_MAX_ROWS, shape[1], generator=torch.Generator().manual_seed(0)).to(dtype)
+        with torch.no_grad():
+            rows = torch.cat([fn(x[i : i + 1]) for i in range(PACKED_MAX_ROWS)])
+            limit = PACKED_MAX_ROWS
+            for r in range(2, PACKED_MAX_ROWS + 1):
+                if not torch.equal(torch.cat([fn(c) for c in x.split(r)]), rows):
+                    limit = r - 1
+                    break
+        _row_limits[key] = limit
+    return limit
+
+
+def row_safe(fn, kind: str, shape: tuple[int, int], dtype: torch.dtype):
+    """`fn`, run on at most `invariant_rows` rows per call (more are split into several calls), so that a
+    row's result never depends on how many rows share the call: what keeps verifying k + 1 tokens
+    bit-identical to decoding them one by one."""
+    limit = invariant_rows(fn, kind, shape, dtype)
+    if limit >= PACKED_MAX_ROWS:
+        return fn
+
+    def chunked(x: Tensor) -> Tensor:
+        R = x.numel() // x.shape[-1]
+        if R <= limit:
+            return fn(x)
+        out = torch.cat([fn(c) for c in x.reshape(R, x.shape[-1]).split(limit)])
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    return chunked
+
+
+def _remember(x: Tensor, layers: Sequence[nn.Module], fn) -> None:
+    """Keep on the first layer the kernel call chosen for these layers and x's dtype, with the weights it
+    stands for."""
     weights = tuple(layer.weight for layer in layers)
     plans = layers[0].__dict__.setdefault("_plans", {})
-    plans[len(layers)] = (tuple(layers), weights, tuple(w._version for w in weights), fn)
+    plans[len(layers), x.dtype] = (tuple(layers), weights, tuple(w._version for w in weights), fn)
 
 
 def _remembered(x: Tensor, layers: Sequence[nn.Module]):
-    """The remembered kernel call for these layers if it still applies: the same layers and weight tensors,
-    unwritten, and x a few bf16 CPU rows with no gradient wanted (what both kernels' conditions share;
-    anything else takes the full checks)."""
+    """The remembered kernel call for these layers and x's dtype if it still applies: the same layers and
+    weight tensors, unwritten, and x a few CPU rows with no gradient wanted (what every kernel's conditions
+    share; anything else takes the full checks)."""
     plans = layers[0].__dict__.get("_plans")
     if (
         plans is None
         or torch.is_grad_enabled()
-        or x.dtype is not torch.bfloat16
         or not x.is_cpu
         or x.numel() > PACKED_MAX_ROWS * x.shape[-1]
         or torch.compiler.is_compiling()
     ):
         return None
-    plan = plans.get(len(layers))
+    plan = plans.get((len(layers), x.dtype))
     if plan is None:
         return None
     for layer, was, w, v in zip(layers, plan[0], plan[1], plan[2]):
@@ -165,14 +219,21 @@ def short_linear(x: Tensor, layers: Sequence[nn.Module]) -> Tensor:
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters, state-dict keys and training behaviour) whose few-row bf16 inference on
-    CPU runs on the packed weight, or on its 4-bit pack `q4` when it has one (`maverick.q4.attach_q4`)."""
+    CPU runs on the packed weight, or on its 4-bit pack `q4` when it has one (`maverick.q4.attach_q4`), and
+    whose few-row fp32 inference runs on its code pack `codes` when it has one (`maverick.codes`)."""
 
     q4: Q4Weight | None = None
+    codes: CodePack | None = None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.bias is None and type(self) is Linear:
+            return fused_linear(x, (self,))  # its kernel choice, remembered, and row-count safe
         if self.q4 is not None and use_q4(x, (self,)):
             w4 = live_pack(self)
             if w4 is not None:
-                y = q4_matmul(x, w4)
-                return y if self.bias is None else y + self.bias
+                return q4_matmul(x, w4) + self.bias
+        if self.codes is not None and use_codes(x, (self,)):
+            pack = live_pack(self, "codes")
+            if pack is not None:
+                return codes_matmul(x, pack) + self.bias
         return linear(x, self.weight, self.bias)

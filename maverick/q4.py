@@ -78,12 +78,12 @@ def q4_matmul(x: Tensor, w: Q4Weight) -> Tensor:
     return y.view(*x.shape[:-1], w.shape[0])
 
 
-def live_pack(layer: nn.Module) -> Q4Weight | None:
-    """The layer's pack if it still stands for the layer's weight."""
-    w4 = getattr(layer, "q4", None)
-    if w4 is None or w4.key != (layer.weight.data_ptr(), layer.weight._version):
+def live_pack(layer: nn.Module, attr: str = "q4"):
+    """The layer's pack (`.q4`, or `.codes`: maverick/codes.py) if it still stands for the layer's weight."""
+    pack = getattr(layer, attr, None)
+    if pack is None or pack.key != (layer.weight.data_ptr(), layer.weight._version):
         return None
-    return w4
+    return pack
 
 
 def use_q4(x: Tensor, layers: Sequence[nn.Module]) -> bool:
@@ -98,10 +98,10 @@ def use_q4(x: Tensor, layers: Sequence[nn.Module]) -> bool:
     )
 
 
-def group_pack(layers: Sequence[nn.Module]) -> Q4Weight | None:
+def group_pack(layers: Sequence[nn.Module], attr: str = "q4"):
     """One pack for several layers' outputs side by side (q/k/v, gate/up), made on first use and kept on the
-    first layer's pack; None when a layer has no live pack."""
-    packs = [live_pack(m) for m in layers]
+    first layer's pack; None when a layer has no live pack (`attr` as in live_pack)."""
+    packs = [live_pack(m, attr) for m in layers]
     if any(p is None for p in packs):
         return None
     if len(packs) == 1:
@@ -109,7 +109,7 @@ def group_pack(layers: Sequence[nn.Module]) -> Q4Weight | None:
     slot = tuple(id(p) for p in packs)
     hit = packs[0].groups.get(slot)
     if hit is None or any(a is not b for a, b in zip(hit[0], packs)):
-        hit = (tuple(packs), Q4Weight.cat(packs))
+        hit = (tuple(packs), type(packs[0]).cat(packs))
         packs[0].groups[slot] = hit
     return hit[1]
 

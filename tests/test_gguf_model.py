@@ -1,4 +1,5 @@
-"""Our model on the real SmolLM2-135M-Instruct GGUF weights vs transformers' LlamaForCausalLM on the same file."""
+"""Our model on the real SmolLM2-135M-Instruct GGUF weights vs transformers' LlamaForCausalLM on the same file,
+in fp32: dense, and on the file's one-byte codes (`q4=True`, maverick/codes.py)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,14 @@ def models():
 
     path = default_gguf_path()
     hf = LlamaForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    return hf, load_gguf_model(path, dtype=torch.float32), load_tokenizer(path)
+    ours = {"dense": load_gguf_model(path, dtype=torch.float32), "codes": load_gguf_model(path, q4=True)}
+    return hf, ours, load_tokenizer(path)
 
 
-def test_logits_match_hf_on_real_prompt(models):
+@pytest.mark.parametrize("weights", ["dense", "codes"])
+def test_logits_match_hf_on_real_prompt(models, weights):
     hf, ours, tok = models
+    ours = ours[weights]
     ids = encode_chat(tok, [{"role": "user", "content": "Explain why the sky is blue in two sentences."}])
     x = torch.tensor([ids])
     with torch.no_grad():
@@ -30,8 +34,10 @@ def test_logits_match_hf_on_real_prompt(models):
     assert rel < 1e-4, rel
 
 
-def test_64_greedy_tokens_identical(models):
+@pytest.mark.parametrize("weights", ["dense", "codes"])
+def test_64_greedy_tokens_identical(models, weights):
     hf, ours, tok = models
+    ours = ours[weights]
     ids = encode_chat(tok, [{"role": "user", "content": "Write a short story about a lighthouse keeper."}])
     with torch.no_grad():
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64, do_sample=False)

@@ -133,8 +133,8 @@ def test_bad_input_is_refused():
         q4_parts(np.zeros(19, np.uint8), Q.Q4_1, (1, 32))  # a cut-off block
     with pytest.raises(ValueError, match="not Q8_0"):
         q4_parts(np.zeros(34, np.uint8), Q.Q8_0, (1, 32))
-    with pytest.raises(ValueError, match="bf16 on CPU"):
-        load_gguf_model(dtype=torch.float32, q4=True)
+    with pytest.raises(ValueError, match="bf16 or fp32 on CPU"):
+        load_gguf_model(dtype=torch.float16, q4=True)
     with pytest.raises(ValueError, match="bias-free bf16"):
         attach_q4(Linear(64, 16).float(), torch.zeros(16, 64), torch.ones(16, 2), torch.zeros(16, 2))
 
