@@ -10,6 +10,7 @@ E experts, I expert width, N tokens flattened (B*T).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -189,7 +190,13 @@ def additive(mask: Tensor) -> Tensor:
 def exact_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
     """Softmax attention in fp32. q [B, Hq, T, D], k/v [B, Hkv, S, D], bias [B, 1, T, S] (`additive`) ->
     [B, Hq, T, D]. GQA: query head h reads kv head h // (Hq // Hkv), so the G = Hq // Hkv query heads of a
-    kv head are G*T rows of one matmul. Adding a 0 / -inf bias gives the bits of masking with -inf."""
+    kv head are G*T rows of one matmul. Adding a 0 / -inf bias gives the bits of masking with -inf.
+
+    Where this CPU's fp32 `bmm` gives a row other bits among G*T rows than among G (measured once,
+    `bmm_rows_invariant`; e.g. AMD EPYC Zen 4, where 1-row products take another kernel, unlike the Xeon
+    with AMX this was written on), T > 1 takes `per_position_attention`, which keeps G rows per product."""
+    if q.shape[2] > 1 and not bmm_rows_invariant():
+        return per_position_attention(q, k, v, bias)
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -198,6 +205,41 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
     probs = scores.view(B, Hkv, G, T, S).mul_(D**-0.5).add_(bias[:, :, None]).softmax(-1)
     o = torch.bmm(probs.view(B * Hkv, G * T, S), v.float().reshape(B * Hkv, S, D))  # [B*Hkv, G*T, D]
     return o.view(B, Hq, T, D).to(q.dtype)
+
+
+def per_position_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+    """`exact_attention` as one [G, D] x [D, S] product per (kv head, query position): the matmul shape is
+    the same whatever T, so every position gets the bits of a one-token call (at the cost of copying the
+    keys and values T times)."""
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    q_f = q.float().view(B, Hkv, G, T, D).transpose(2, 3).reshape(B * Hkv * T, G, D)
+    k_f = k.float()[:, :, None].expand(B, Hkv, T, S, D).reshape(B * Hkv * T, S, D)
+    scores = torch.bmm(q_f, k_f.transpose(1, 2)).view(B, Hkv, T, G, S)
+    probs = scores.mul_(D**-0.5).add_(bias[:, :, :, None]).softmax(-1)
+    v_f = v.float()[:, :, None].expand(B, Hkv, T, S, D).reshape(B * Hkv * T, S, D)
+    o = torch.bmm(probs.view(B * Hkv * T, G, S), v_f).view(B, Hkv, T, G, D)
+    return o.permute(0, 1, 3, 2, 4).reshape(B, Hq, T, D).to(q.dtype)
+
+
+@functools.cache
+def bmm_rows_invariant() -> bool:
+    """Whether fp32 `bmm` gives each row of G*T rows the bits it has among G rows, on this CPU (probed once
+    on random data: SmolLM2's G = 3, T up to 16, 3 key lengths)."""
+    g = torch.Generator().manual_seed(0)
+    for S in (64, 320, 1000):
+        pairs = [
+            (torch.randn(3, 48, 64, generator=g), torch.randn(3, 64, S, generator=g)),  # scores
+            (torch.randn(3, 48, S, generator=g), torch.randn(3, S, 64, generator=g)),  # probs x values
+        ]
+        for a, b in pairs:
+            rows = torch.cat([torch.bmm(a[:, i : i + 3], b) for i in range(0, 48, 3)], 1)
+            if any(
+                not torch.equal(torch.bmm(a[:, : 3 * T], b), rows[:, : 3 * T]) for T in (2, 3, 4, 5, 8, 16)
+            ):
+                return False
+    return True
 
 
 class MLP(nn.Module):
