@@ -32,6 +32,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from maverick.q4 import few_row_inference
+
 GROUP = 32
 CODES_MAX_ROWS = 64
 
@@ -102,15 +104,8 @@ def codes_matmul(x: Tensor, pack: CodePack) -> Tensor:
 
 
 def use_codes(x: Tensor, layers: Sequence[nn.Module]) -> bool:
-    """Whether a call of x on these layers' code packs: few fp32 CPU rows, no gradient wanted, not while
-    compiling (a compiled step traces the dense weights)."""
-    return (
-        x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and x.numel() <= CODES_MAX_ROWS * x.shape[-1]
-        and not (torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in layers)))
-        and not torch.compiler.is_compiling()
-    )
+    """Whether a call of x on these layers' code packs: few fp32 CPU rows, no gradient, not compiling."""
+    return few_row_inference(x, layers, torch.float32, CODES_MAX_ROWS)
 
 
 @torch.no_grad()

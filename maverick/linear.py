@@ -231,9 +231,11 @@ class Linear(nn.Linear):
         if self.q4 is not None and use_q4(x, (self,)):
             w4 = live_pack(self)
             if w4 is not None:
-                return q4_matmul(x, w4) + self.bias
+                y = q4_matmul(x, w4)
+                return y if self.bias is None else y + self.bias
         if self.codes is not None and use_codes(x, (self,)):
             pack = live_pack(self, "codes")
             if pack is not None:
-                return codes_matmul(x, pack) + self.bias
+                y = codes_matmul(x, pack)
+                return y if self.bias is None else y + self.bias
         return linear(x, self.weight, self.bias)

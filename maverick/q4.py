@@ -86,16 +86,21 @@ def live_pack(layer: nn.Module, attr: str = "q4"):
     return pack
 
 
-def use_q4(x: Tensor, layers: Sequence[nn.Module]) -> bool:
-    """Whether a call of x on these layers' packs: few bf16 CPU rows, no gradient wanted (the kernel has
-    none), not while compiling."""
+def few_row_inference(x: Tensor, layers: Sequence[nn.Module], dtype: torch.dtype, max_rows: int) -> bool:
+    """x is at most `max_rows` CPU rows of `dtype`, no gradient is wanted (the pack kernels have none), and
+    nothing is being compiled (a compiled step traces the dense weights)."""
     return (
-        x.dtype == torch.bfloat16
+        x.dtype == dtype
         and x.device.type == "cpu"
-        and x.numel() <= Q4_MAX_ROWS * x.shape[-1]
+        and x.numel() <= max_rows * x.shape[-1]
         and not (torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in layers)))
         and not torch.compiler.is_compiling()
     )
+
+
+def use_q4(x: Tensor, layers: Sequence[nn.Module]) -> bool:
+    """Whether a call of x on these layers' 4-bit packs: few bf16 CPU rows, no gradient, not compiling."""
+    return few_row_inference(x, layers, torch.bfloat16, Q4_MAX_ROWS)
 
 
 def group_pack(layers: Sequence[nn.Module], attr: str = "q4"):
