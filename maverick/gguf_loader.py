@@ -118,14 +118,8 @@ def q4_parts(data: np.ndarray | Tensor, qtype: GGMLQuantizationType, shape: tupl
     qtype = GGMLQuantizationType(qtype)
     if qtype not in (Q.Q4_0, Q.Q4_1):
         raise ValueError(f"4-bit packing takes Q4_0 or Q4_1 tensors, not {qtype.name}")
-    N, K = shape
-    b = _blocks(_raw_bytes(data, qtype, shape), qtype)  # [N * K / 32, 18 or 20]
-    d = _fp16_col(b[:, :2])
-    if qtype == Q.Q4_0:
-        codes, zero = _nibbles(b[:, 2:]), torch.zeros_like(d)
-    else:
-        codes, zero = _nibbles(b[:, 4:]), _fp16_col(b[:, 2:4]) + 8.0 * d
-    return codes.reshape(N, K), d.reshape(N, K // 32), zero.reshape(N, K // 32)
+    codes, d, offset = codes_parts(data, qtype, shape)  # w = d * q + offset; Q4_0's offset -8 d gives zero 0
+    return codes, d, offset + 8.0 * d
 
 
 def codes_parts(data: np.ndarray | Tensor, qtype: GGMLQuantizationType, shape: tuple[int, int]):

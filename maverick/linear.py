@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from maverick.codes import CODES_MAX_ROWS, CodePack, codes_matmul, use_codes
-from maverick.q4 import Q4_MAX_ROWS, Q4Weight, group_pack, live_pack, q4_matmul, use_q4
+from maverick.q4 import Q4_MAX_ROWS, Q4Weight, group_pack, q4_matmul, use_q4
 
 PACKED_MAX_ROWS = 64
 assert Q4_MAX_ROWS == CODES_MAX_ROWS == PACKED_MAX_ROWS  # short_linear's chunks must fit every kernel
@@ -165,14 +165,16 @@ def row_safe(fn, kind: str, shape: tuple[int, int], dtype: torch.dtype):
     if limit >= PACKED_MAX_ROWS:
         return fn
 
-    def chunked(x: Tensor) -> Tensor:
-        R = x.numel() // x.shape[-1]
-        if R <= limit:
-            return fn(x)
-        out = torch.cat([fn(c) for c in x.reshape(R, x.shape[-1]).split(limit)])
-        return out.view(*x.shape[:-1], out.shape[-1])
+    return lambda x: in_row_chunks(fn, x, limit)
 
-    return chunked
+
+def in_row_chunks(fn, x: Tensor, rows: int) -> Tensor:
+    """fn(x) for x [..., K], computed on at most `rows` rows per call of fn."""
+    R = x.numel() // x.shape[-1]
+    if R <= rows:
+        return fn(x)
+    out = torch.cat([fn(c) for c in x.reshape(R, x.shape[-1]).split(rows)])
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _remember(x: Tensor, layers: Sequence[nn.Module], fn) -> None:
@@ -210,11 +212,7 @@ def short_linear(x: Tensor, layers: Sequence[nn.Module]) -> Tensor:
     then runs on the row-count-invariant packed (or 4-bit) kernel whatever the batch size, so a batch that
     verifies B * (k + 1) > 64 rows keeps the bits of decoding its B rows (one call of 80 rows would take
     `F.linear`, whose bits differ)."""
-    R = x.numel() // x.shape[-1]
-    if R <= PACKED_MAX_ROWS:
-        return fused_linear(x, layers)
-    out = torch.cat([fused_linear(c, layers) for c in x.reshape(R, x.shape[-1]).split(PACKED_MAX_ROWS)])
-    return out.view(*x.shape[:-1], out.shape[-1])
+    return in_row_chunks(lambda c: fused_linear(c, layers), x, PACKED_MAX_ROWS)
 
 
 class Linear(nn.Linear):
@@ -226,16 +224,6 @@ class Linear(nn.Linear):
     codes: CodePack | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.bias is None and type(self) is Linear:
+        if self.bias is None and type(self) is Linear:  # packs are attached to bias-free layers only
             return fused_linear(x, (self,))  # its kernel choice, remembered, and row-count safe
-        if self.q4 is not None and use_q4(x, (self,)):
-            w4 = live_pack(self)
-            if w4 is not None:
-                y = q4_matmul(x, w4)
-                return y if self.bias is None else y + self.bias
-        if self.codes is not None and use_codes(x, (self,)):
-            pack = live_pack(self, "codes")
-            if pack is not None:
-                y = codes_matmul(x, pack)
-                return y if self.bias is None else y + self.bias
         return linear(x, self.weight, self.bias)
