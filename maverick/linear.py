@@ -131,49 +131,58 @@ def fused_linear(x: Tensor, layers: Sequence[nn.Module]) -> Tensor:
     return torch.cat([layer(x) for layer in layers], dim=-1)
 
 
-# (kernel, N, K, dtype) -> the most rows a call may have with every row keeping its one-row bits
-_row_limits: dict[tuple, int] = {}
+# (kernel, N, K, dtype) -> (lo, hi): calls of lo..hi rows give every row the same bits
+_row_windows: dict[tuple, tuple[int, int]] = {}
 
 
-def invariant_rows(fn, kind: str, shape: tuple[int, int], dtype: torch.dtype) -> int:
-    """The largest row count r <= 64 such that `fn` (a matmul by an [N, K] weight) gives every row of a call
-    of up to r rows the bits it has alone. Kernels choose their code path by shape, not by values, so this
-    is probed once per (kernel, shape, dtype): 64 random rows, in calls of r rows for every r (a differing
-    accumulation order shows in only a few of the 64 x N results). 64 for every SmolLM2 shape on the Xeon
-    with AMX this was written on; 1 for oneDNN's bf16 kernel on a [576, 1536] weight on AMD EPYC (Zen 4),
-    where one row takes another kernel than two."""
+def invariant_rows(fn, kind: str, shape: tuple[int, int], dtype: torch.dtype) -> tuple[int, int]:
+    """The row counts lo <= r <= hi (hi <= 64) for which `fn` (a matmul by an [N, K] weight) gives every row
+    the same bits whatever r, calls of fewer than lo rows being padded with zero rows up to lo. Kernels
+    choose their code path by shape, not by values, so this is probed once per (kernel, shape, dtype): 64
+    random rows, in calls of r rows for every r (a differing accumulation order shows in only a few of the
+    64 x N results), first with lo = 1, then (if some count differs) lo = 2, 4, 8, keeping the widest
+    window. (1, 64) for every SmolLM2 shape on the Xeon with AMX this was written on; (2, 64) for oneDNN's
+    bf16 kernel on a [576, 1536] weight on AMD EPYC (Zen 4), where one row takes another kernel than two."""
     key = (kind, *shape, dtype)
-    limit = _row_limits.get(key)
-    if limit is None:
+    window = _row_windows.get(key)
+    if window is None:
         x = torch.randn(PACKED_MAX_ROWS, shape[1], generator=torch.Generator().manual_seed(0)).to(dtype)
+        window = (1, 1)
         with torch.no_grad():
-            rows = torch.cat([fn(x[i : i + 1]) for i in range(PACKED_MAX_ROWS)])
-            limit = PACKED_MAX_ROWS
-            for r in range(2, PACKED_MAX_ROWS + 1):
-                if not torch.equal(torch.cat([fn(c) for c in x.split(r)]), rows):
-                    limit = r - 1
+            for lo in (1, 2, 4, 8):
+                rows = in_row_chunks(fn, x, lo, lo)
+                hi = lo
+                while hi < PACKED_MAX_ROWS and torch.equal(in_row_chunks(fn, x, hi + 1, lo), rows):
+                    hi += 1
+                if hi > window[1] - window[0] + 1 and hi > lo:
+                    window = (lo, hi)
+                if hi == PACKED_MAX_ROWS:
                     break
-        _row_limits[key] = limit
-    return limit
+        _row_windows[key] = window
+    return window
 
 
 def row_safe(fn, kind: str, shape: tuple[int, int], dtype: torch.dtype):
-    """`fn`, run on at most `invariant_rows` rows per call (more are split into several calls), so that a
-    row's result never depends on how many rows share the call: what keeps verifying k + 1 tokens
-    bit-identical to decoding them one by one."""
-    limit = invariant_rows(fn, kind, shape, dtype)
-    if limit >= PACKED_MAX_ROWS:
+    """`fn`, run on lo..hi rows per call (`invariant_rows`: fewer are padded, more are split into several
+    calls), so that a row's result never depends on how many rows share the call: what keeps verifying
+    k + 1 tokens bit-identical to decoding them one by one."""
+    lo, hi = invariant_rows(fn, kind, shape, dtype)
+    if lo == 1 and hi >= PACKED_MAX_ROWS:
         return fn
+    return lambda x: in_row_chunks(fn, x, hi, lo)
 
-    return lambda x: in_row_chunks(fn, x, limit)
 
-
-def in_row_chunks(fn, x: Tensor, rows: int) -> Tensor:
-    """fn(x) for x [..., K], computed on at most `rows` rows per call of fn."""
+def in_row_chunks(fn, x: Tensor, rows: int, min_rows: int = 1) -> Tensor:
+    """fn(x) for x [..., K], computed on calls of min_rows..rows rows (a shorter chunk is padded with zero
+    rows, whose outputs are dropped)."""
     R = x.numel() // x.shape[-1]
-    if R <= rows:
+    if min_rows <= R <= rows:
         return fn(x)
-    out = torch.cat([fn(c) for c in x.reshape(R, x.shape[-1]).split(rows)])
+    outs = []
+    for c in x.reshape(R, x.shape[-1]).split(rows):
+        n = c.shape[0]
+        outs.append(fn(F.pad(c, (0, 0, 0, min_rows - n)))[:n] if n < min_rows else fn(c))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 

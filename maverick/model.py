@@ -192,25 +192,30 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
     [B, Hq, T, D]. GQA: query head h reads kv head h // (Hq // Hkv), so the G = Hq // Hkv query heads of a
     kv head are G*T rows of one matmul. Adding a 0 / -inf bias gives the bits of masking with -inf.
 
-    Where this CPU's fp32 `bmm` gives a row other bits among G*T rows than among G (measured once,
-    `bmm_rows_invariant`; e.g. AMD EPYC Zen 4, where 1-row products take another kernel, unlike the Xeon
-    with AMX this was written on), T > 1 takes `per_position_attention`, which keeps G rows per product."""
-    if q.shape[2] > 1 and not bmm_rows_invariant():
+    fp32 `bmm` may give few-row products another kernel (AMD EPYC Zen 4: 1-3 rows, unlike the Xeon with
+    AMX this was written on), so each product runs on at least `bmm_min_rows()` rows, the padding rows
+    zeros: from that count up every row has the same bits however many rows share the call. Where this
+    CPU has no such count, T > 1 takes `per_position_attention`."""
+    rows = bmm_min_rows()
+    if rows is None and q.shape[2] > 1:
         return per_position_attention(q, k, v, bias)
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = Hq // Hkv
     q_f = q.float().reshape(B * Hkv, G * T, D)
-    scores = torch.bmm(q_f, k.float().reshape(B * Hkv, S, D).transpose(1, 2))  # [B*Hkv, G*T, S]
-    probs = scores.view(B, Hkv, G, T, S).mul_(D**-0.5).add_(bias[:, :, None]).softmax(-1)
-    o = torch.bmm(probs.view(B * Hkv, G * T, S), v.float().reshape(B * Hkv, S, D))  # [B*Hkv, G*T, D]
-    return o.view(B, Hq, T, D).to(q.dtype)
+    if rows and G * T < rows:
+        q_f = F.pad(q_f, (0, 0, 0, rows - G * T))
+    scores = torch.bmm(q_f, k.float().reshape(B * Hkv, S, D).transpose(1, 2))  # [B*Hkv, >= G*T, S]
+    scores[:, : G * T].view(B, Hkv, G, T, S).mul_(D**-0.5).add_(bias[:, :, None])
+    probs = scores.softmax(-1)  # padding rows: zeros, harmless
+    o = torch.bmm(probs, v.float().reshape(B * Hkv, S, D))[:, : G * T]  # [B*Hkv, G*T, D]
+    return o.reshape(B, Hq, T, D).to(q.dtype)
 
 
 def per_position_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
     """`exact_attention` as one [G, D] x [D, S] product per (kv head, query position): the matmul shape is
     the same whatever T, so every position gets the bits of a one-token call (at the cost of copying the
-    keys and values T times)."""
+    keys and values T times). The fallback for a CPU whose fp32 `bmm` has no row count to pad to."""
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -223,23 +228,32 @@ def per_position_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Ten
     return o.permute(0, 1, 3, 2, 4).reshape(B, Hq, T, D).to(q.dtype)
 
 
+BMM_PROBE_ROWS = 192  # G * T for G = 3 and T up to EXACT_ATTENTION_MAX_T
+
+
 @functools.cache
-def bmm_rows_invariant() -> bool:
-    """Whether fp32 `bmm` gives each row of G*T rows the bits it has among G rows, on this CPU (probed once
-    on random data: SmolLM2's G = 3, T up to 16, 3 key lengths)."""
+def bmm_min_rows() -> int | None:
+    """The fewest rows (1, 2, 4, 8 or 16) from which fp32 `bmm` gives every row the bits it has in a call of
+    192 rows, for every row count up to 192, on this CPU; None if there is none. Probed once on random
+    data: both products of attention, 3 key lengths, batches of 3 and 6 matrices."""
     g = torch.Generator().manual_seed(0)
+    counts = list(range(1, 33)) + [40, 48, 63, 64, 65, 96, 127, 128, 150, BMM_PROBE_ROWS]
+    worst = 0  # the largest row count whose rows differ from the reference
     for S in (64, 320, 1000):
-        pairs = [
-            (torch.randn(3, 48, 64, generator=g), torch.randn(3, 64, S, generator=g)),  # scores
-            (torch.randn(3, 48, S, generator=g), torch.randn(3, S, 64, generator=g)),  # probs x values
-        ]
-        for a, b in pairs:
-            rows = torch.cat([torch.bmm(a[:, i : i + 3], b) for i in range(0, 48, 3)], 1)
-            if any(
-                not torch.equal(torch.bmm(a[:, : 3 * T], b), rows[:, : 3 * T]) for T in (2, 3, 4, 5, 8, 16)
-            ):
-                return False
-    return True
+        for batch in (3, 6):
+            pairs = [
+                (
+                    torch.randn(batch, BMM_PROBE_ROWS, 64, generator=g),
+                    torch.randn(batch, S, 64, generator=g).mT,
+                ),
+                (torch.randn(batch, BMM_PROBE_ROWS, S, generator=g), torch.randn(batch, S, 64, generator=g)),
+            ]
+            for a, b in pairs:
+                ref = torch.bmm(a, b)
+                for n in counts:
+                    if not torch.equal(torch.bmm(a[:, :n], b), ref[:, :n]):
+                        worst = max(worst, n)
+    return next((r for r in (1, 2, 4, 8, 16) if r > worst), None)
 
 
 class MLP(nn.Module):

@@ -354,6 +354,44 @@ def test_exact_attention_bias_equals_masking():
     assert torch.equal(exact_attention(q, k, v, additive(mask)), ref)
 
 
+@pytest.mark.parametrize("fallback", [False, True], ids=["padded-rows", "per-position"])
+def test_exact_attention_gives_each_position_its_one_token_bits(monkeypatch, fallback):
+    """Every query position of a T-token call gets the bits of calling it alone, for T = 1..16 and key
+    windows of 3 lengths (bf16 q/k/v as the model passes them); the per-position fallback too."""
+    import maverick.model as mm
+
+    if fallback:
+        monkeypatch.setattr(mm, "bmm_min_rows", lambda: None)
+    g = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, D = 1, 9, 3, 64  # SmolLM2's heads
+    for S in (64, 320, 1024):
+        k, v = torch.randn(2, B, Hkv, S, D, generator=g).bfloat16()
+        q = torch.randn(B, Hq, 16, D, generator=g).bfloat16()
+        bias = mm.additive(torch.rand(B, 1, 16, S, generator=g) < 0.9)
+        one = torch.cat(
+            [mm.exact_attention(q[:, :, i : i + 1], k, v, bias[:, :, i : i + 1]) for i in range(16)], 2
+        )
+        for T in range(1, 17):
+            got = mm.exact_attention(q[:, :, :T], k, v, bias[:, :, :T])
+            assert torch.equal(got, one[:, :, :T]), (S, T)
+
+
+def test_bmm_min_rows_holds_on_this_cpu():
+    """From bmm_min_rows() rows up, each row of an fp32 bmm has its bits of a 192-row call (checked here on
+    other random data and key lengths than the probe's)."""
+    from maverick.model import bmm_min_rows
+
+    rows = bmm_min_rows()
+    if rows is None:
+        pytest.skip("this CPU's fp32 bmm has no row count to pad to (per-position attention is used)")
+    g = torch.Generator().manual_seed(7)
+    for S in (128, 512):
+        a, b = torch.randn(3, 192, 64, generator=g), torch.randn(3, S, 64, generator=g).mT
+        ref = torch.bmm(a, b)
+        for n in range(rows, 40):
+            assert torch.equal(torch.bmm(a[:, :n], b), ref[:, :n]), (S, n)
+
+
 def test_one_row_cache_writes_by_slice_like_the_batched_index():
     """A one-row cache writes at `bound` with a slice; rows dropped from a batch leave `bound` right."""
     from maverick.kv_cache import KVCache
