@@ -154,7 +154,7 @@ def invariant_rows(fn, kind: str, shape: tuple[int, int], dtype: torch.dtype) ->
                 hi = lo
                 while hi < PACKED_MAX_ROWS and torch.equal(in_row_chunks(fn, x, hi + 1, lo), rows):
                     hi += 1
-                if hi > window[1] - window[0] + 1 and hi > lo:
+                if hi - lo > window[1] - window[0]:
                     window = (lo, hi)
                 if hi == PACKED_MAX_ROWS:
                     break
