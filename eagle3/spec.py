@@ -11,9 +11,10 @@ One cycle, chain (B rows; row b has n_b committed tokens in the target cache and
           catches up on pairs (target feature at n+j, token at n+j+1) for j = 0..a, the features of
           what was accepted, which puts it where the next cycle starts.
 
-Prompt lookup (`lookup=LookupConfig()`, chains only): each cycle, a row whose last tokens occurred earlier
-in its sequence (prompt + output) drafts the tokens that followed them (eagle3/lookup.py) instead of
-running the draft; rows without a match use the EAGLE-3 draft. Rows of one batch may mix the two: the
+Prompt lookup (`lookup=LookupConfig()`): each cycle, a row whose last tokens occurred earlier in its
+sequence (prompt + output) drafts the tokens that followed them (eagle3/lookup.py) instead of running
+the draft; rows without a match use the EAGLE-3 draft (with `tree`, a copied draft is verified as a
+chain and the other cycles draft trees). Rows of one batch may mix the two: the
 verify pass takes the longest draft and each row accepts only within its own. With a `datastore`
 (eagle3/datastore.py) a row whose sequence has no match tries the store of the target's own answers next:
 retrieval drafts (REST) by copying what the target wrote after the same words elsewhere.
@@ -102,7 +103,7 @@ class SpecDecoder:
     FixedK, HeuristicK, DraftLengthTuner). tree: a TreeConfig to draft trees instead of chains (batch 1).
     compile_draft: torch.compile the one-token draft step (fixed shapes: it attends over the whole
     preallocated draft cache, so changing k never recompiles). lookup: a LookupConfig to draft by prompt
-    lookup where the sequence repeats itself, the EAGLE-3 draft elsewhere (chains only). datastore: a
+    lookup where the sequence repeats itself, the EAGLE-3 draft (chain or tree) elsewhere. datastore: a
     Datastore tried after the sequence itself (needs lookup).
     """
 
@@ -119,8 +120,6 @@ class SpecDecoder:
     ):
         if datastore is not None and lookup is None:
             raise ValueError("a datastore extends prompt lookup: pass lookup=LookupConfig() with it")
-        if tree is not None and lookup is not None:
-            raise ValueError("prompt lookup drafts chains; it does not combine with tree drafting")
         if draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(
                 f"draft vocab_size {draft.config.vocab_size} != target vocab_size {target.config.vocab_size}"
@@ -225,22 +224,22 @@ class SpecDecoder:
         stop = set(stop_ids)
         done = [o[-1] in stop for o in outs]
         while not all(done) and min(len(o) for o in outs) < max_new_tokens:
-            if self.tree is not None:
+            # per row: the copied tokens, None (no match: the EAGLE-3 draft drafts) or [] (finished)
+            proposals = None
+            if index is not None:
+                proposals = [[] if done[b] else (index[b].propose() or None) for b in range(B)]
+                if self.datastore is not None:
+                    stored = [b for b in range(B) if proposals[b] is None]
+                    for b in stored:
+                        proposals[b] = self.datastore.propose(index[b].tokens) or None
+                    stats.store_rows.append(sum(proposals[b] is not None for b in stored))
+            if self.tree is not None and (proposals is None or proposals[0] is None):
                 emitted, h, last = self._tree_cycle(h, last, sampling, generator, stats)
-            else:
-                # per row: the copied tokens, None (no match: the EAGLE-3 draft drafts) or [] (finished)
-                proposals = None
-                if index is not None:
-                    proposals = [[] if done[b] else (index[b].propose() or None) for b in range(B)]
-                    if self.datastore is not None:
-                        stored = [b for b in range(B) if proposals[b] is None]
-                        for b in stored:
-                            proposals[b] = self.datastore.propose(index[b].tokens) or None
-                        stats.store_rows.append(sum(proposals[b] is not None for b in stored))
+            else:  # trees too verify a copied draft as a chain
                 emitted, h, last = self._chain_cycle(h, last, sampling, generator, stats, proposals)
-                if index is not None:
-                    for ix, e in zip(index, emitted):
-                        ix.extend(e)
+            if index is not None:
+                for ix, e in zip(index, emitted):
+                    ix.extend(e)
             for b in range(B):
                 if done[b]:
                     continue
@@ -259,7 +258,7 @@ class SpecDecoder:
 
     def _max_draft(self) -> int:
         if self.tree is not None:
-            return self.tree.total_tokens + 1
+            return max(self.tree.total_tokens + 1, self.lookup.max_tokens if self.lookup is not None else 0)
         k = max(getattr(self.policy, "choices", [getattr(self.policy, "k", 8)]) + [8])
         return max(k, self.lookup.max_tokens) if self.lookup is not None else k
 
@@ -494,6 +493,7 @@ class SpecDecoder:
         stats.accepted_rows.append([a])
         stats.draft_lengths.append(cfg.depth)  # the longest path that could be accepted
         stats.tree_nodes.append(len(keep))
+        stats.lookup_rows.append(0)
         stats.draft_seconds += (t1 - t0) + (t3 - t2)
         stats.verify_seconds += t2 - t1
         return emitted, h, y.view(1)

@@ -264,7 +264,7 @@ def main(argv=None) -> int:
     out_dir = Path(args.out or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     config = {k: v for k, v in vars(args).items()} | {"methods": methods, "gguf": gguf}
     config |= {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": "cpu"}
-    if "eagle3-tree" in [m.removesuffix(variant(m)) for m in methods]:
+    if any(m.startswith("eagle3-tree") for m in methods):
         config["tree"] = asdict(tree_config(args))
     print(json.dumps(config), flush=True)
 
@@ -389,7 +389,7 @@ def distribution_checks(args, methods, prompts, tok, targets, draft) -> list[Dis
             def generate(rows, n, dec=dec):
                 return dec.generate(rows, n, sampling, (), gen).tokens
 
-            batch_ok = base != "eagle3-tree"
+            batch_ok = not base.startswith("eagle3-tree")
             checks.append(check_method(m, str(prompt["id"]), generate, batch_ok, t, ids, sampling,
                                        samples=args.dist_samples))  # fmt: skip
             bar.update(1)

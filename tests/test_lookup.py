@@ -101,9 +101,25 @@ def test_lookup_greedy_identical_to_plain(target, policy):
     assert any(0 < n < len(ps) for n in got.stats["spec"].lookup_rows)  # some cycles mixed both
 
 
-def test_lookup_does_not_combine_with_trees(target):
-    with pytest.raises(ValueError, match="lookup"):
-        SpecDecoder(target, make_draft(target), tree=TreeConfig(), lookup=LookupConfig())
+def test_lookup_with_trees_greedy_identical_to_plain(target):
+    """Trees with prompt lookup: a cycle with a match verifies the copy as a chain, the others draft trees;
+    both kinds of cycle occur, copied tokens are accepted, and the output is plain decoding's."""
+    ps = repetitive_prompts()
+    kinds = set()
+    copied_accepted = 0
+    for p in ps:
+        ref = Decoder(target, max_len=160).generate([p], 40).tokens[0]
+        dec = SpecDecoder(
+            target, make_draft(target), max_len=160, tree=TreeConfig(3, 2, 6), lookup=LookupConfig()
+        )
+        got = dec.generate([p], 40)
+        assert got.tokens[0] == ref
+        st = got.stats["spec"]
+        assert len(st.lookup_rows) == st.cycles
+        kinds |= set(st.lookup_rows)
+        copied_accepted += sum(a for a, n in zip(st.accepted, st.lookup_rows) if n)
+        assert len(st.tree_nodes) == st.cycles - sum(st.lookup_rows)  # one tree per cycle without a copy
+    assert kinds == {0, 1} and copied_accepted > 0
 
 
 def test_lookup_sampling_is_lossless():
@@ -140,8 +156,8 @@ def test_bench_method_names(target):
     dec = build_decoder("eagle3-k3+lookup", target, d, 64, args)
     assert dec.lookup == LookupConfig() and dec.policy.k == 3
     assert build_decoder("eagle3-k3", target, d, 64, args).lookup is None
-    with pytest.raises(ValueError, match="lookup"):
-        build_decoder("eagle3-tree+lookup", target, d, 64, args)
+    dec = build_decoder("eagle3-tree+lookup", target, d, 64, args)
+    assert dec.lookup == LookupConfig() and dec.tree == TreeConfig(5, 6, 24)
 
 
 def test_report_lookup_share():

@@ -376,6 +376,44 @@ def test_exact_attention_gives_each_position_its_one_token_bits(monkeypatch, fal
             assert torch.equal(got, one[:, :, :T]), (S, T)
 
 
+@pytest.mark.parametrize("fallback", [False, True], ids=["shared-scores", "per-node"])
+def test_tree_attention_gives_each_node_the_bits_of_its_decode_step(monkeypatch, fallback):
+    """Each node of a tree verify gets the bits of a one-token decode step over its path laid out as a chain
+    (prefix, ancestors, itself at slots start..start+depth), for random trees of 2..30 nodes, key windows
+    of 3 lengths, with and without chunked attention; the per-node fallback too."""
+    import maverick.model as mm
+    from eagle3.sampling import tree_attention_mask
+
+    if fallback:
+        monkeypatch.setattr(mm, "bmm_min_rows", lambda: None)
+    g = torch.Generator().manual_seed(5)
+    Hq, Hkv, D = 9, 3, 64
+    for case in range(24):
+        S = (64, 320, 1024)[case % 3]
+        chunk = 48 if case % 4 == 3 else None
+        T = int(torch.randint(2, 31, (1,), generator=g))
+        start = int(torch.randint(1, S - T, (1,), generator=g))
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, T)]
+        anc = tree_attention_mask(parents)[None]
+        depth = anc[0].sum(-1) - 1
+        positions = (start + depth)[None]
+        tree = mm.tree_layout(anc, start, S)
+        q = torch.randn(1, Hq, T, D, generator=g).bfloat16()
+        k, v = torch.randn(2, 1, Hkv, S, D, generator=g).bfloat16().float()  # the fp32 cache
+        got = mm.tree_attention(q, k, v, tree, chunk, positions)
+        slot = torch.arange(S)
+        for t in range(T):
+            path = anc[0, t].nonzero()[:, 0]
+            order = torch.arange(S)
+            order[start : start + len(path)] = start + path
+            keep = slot <= start + depth[t]
+            if chunk:
+                keep &= slot // chunk == (start + depth[t]) // chunk
+            bias = mm.additive(keep)[None, None, None]
+            one = mm.exact_attention(q[:, :, t : t + 1], k[:, :, order], v[:, :, order], bias)
+            assert torch.equal(got[:, :, t : t + 1], one), (case, t)
+
+
 def test_bmm_min_rows_holds_on_this_cpu():
     """From bmm_min_rows() rows up, each row of an fp32 bmm has its bits of a 192-row call (checked here on
     other random data and key lengths than the probe's)."""
