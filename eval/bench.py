@@ -130,7 +130,9 @@ def build_decoder(name: str, target, draft, max_len: int, args) -> Decoder | Spe
         if not name.endswith(LOOKUP_SUFFIX):
             raise ValueError(f"'{STORE_SUFFIX}' extends prompt lookup: name the method <method>+lookup+store")
         datastore = Datastore.load(datastore_path(args))
-    lookup = LookupConfig() if name.endswith(LOOKUP_SUFFIX) else None
+    lookup = (
+        LookupConfig(max_tokens=getattr(args, "lookup_tokens", 10)) if name.endswith(LOOKUP_SUFFIX) else None
+    )
     name = name.removesuffix(LOOKUP_SUFFIX)
     fixed_k = name.removeprefix("eagle3-k")
     if name not in ("eagle3-tuned", "eagle3-tree") and not (
@@ -246,6 +248,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tree-depth", type=int, default=3)
     ap.add_argument("--tree-top-k", type=int, default=4)
     ap.add_argument("--tree-tokens", type=int, default=12)
+    ap.add_argument(
+        "--lookup-tokens", type=int, default=10, help="tokens a prompt-lookup copy drafts at most"
+    )
     ap.add_argument("--compile-draft", action="store_true")
     ap.add_argument("--fp8", choices=["none", "target", "draft", "both"], default="none",
                     help="FP8 weight-only layers (emulated on CPU) for the target and/or the draft of every "

@@ -158,6 +158,8 @@ def test_bench_method_names(target):
     assert build_decoder("eagle3-k3", target, d, 64, args).lookup is None
     dec = build_decoder("eagle3-tree+lookup", target, d, 64, args)
     assert dec.lookup == LookupConfig() and dec.tree == TreeConfig(5, 6, 24)
+    args.lookup_tokens = 14  # --lookup-tokens
+    assert build_decoder("eagle3-tuned+lookup", target, d, 64, args).lookup == LookupConfig(max_tokens=14)
 
 
 def test_report_lookup_share():
