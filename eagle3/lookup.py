@@ -28,6 +28,10 @@ class LookupConfig:
     max_ngram: int = 3  # the longest suffix searched for
     min_ngram: int = 2  # the shortest (1 finds a match almost always, and mostly a wrong one)
     max_tokens: int = 10  # tokens copied per cycle at most
+    # after a copy accepted in full, the row's next copy drafts up to this many (a repeated passage
+    # tends to go on: in MT-bench run v12, 47 of the 70 copies that followed a fully accepted one were
+    # accepted in full too); default (None): max_tokens, i.e. off
+    streak_tokens: int | None = None
 
     def __post_init__(self):
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -37,6 +41,12 @@ class LookupConfig:
             )
         if self.max_tokens < 1:
             raise ValueError(f"LookupConfig.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.streak_tokens is None:
+            object.__setattr__(self, "streak_tokens", self.max_tokens)
+        if self.streak_tokens < self.max_tokens:
+            raise ValueError(
+                f"LookupConfig.streak_tokens must be >= max_tokens, got {self.streak_tokens} < {self.max_tokens}"
+            )
 
 
 class NgramIndex:

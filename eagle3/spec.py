@@ -221,13 +221,14 @@ class SpecDecoder:
         index = None
         if self.lookup is not None:
             index = [NgramIndex(self.lookup, list(p) + o) for p, o in zip(prompts, outs)]
+            copy_len = [self.lookup.max_tokens] * B
         stop = set(stop_ids)
         done = [o[-1] in stop for o in outs]
         while not all(done) and min(len(o) for o in outs) < max_new_tokens:
             # per row: the copied tokens, None (no match: the EAGLE-3 draft drafts) or [] (finished)
             proposals = None
             if index is not None:
-                proposals = [[] if done[b] else (index[b].propose() or None) for b in range(B)]
+                proposals = [[] if done[b] else (index[b].propose(copy_len[b]) or None) for b in range(B)]
                 if self.datastore is not None:
                     stored = [b for b in range(B) if proposals[b] is None]
                     for b in stored:
@@ -238,8 +239,12 @@ class SpecDecoder:
             else:  # trees too verify a copied draft as a chain
                 emitted, h, last = self._chain_cycle(h, last, sampling, generator, stats, proposals)
             if index is not None:
-                for ix, e in zip(index, emitted):
+                for b, (ix, e) in enumerate(zip(index, emitted)):
                     ix.extend(e)
+                    full = proposals[b] is not None and 0 < len(proposals[b]) < len(
+                        e
+                    )  # every copied token kept
+                    copy_len[b] = self.lookup.streak_tokens if full else self.lookup.max_tokens
             for b in range(B):
                 if done[b]:
                     continue
@@ -258,9 +263,11 @@ class SpecDecoder:
 
     def _max_draft(self) -> int:
         if self.tree is not None:
-            return max(self.tree.total_tokens + 1, self.lookup.max_tokens if self.lookup is not None else 0)
+            return max(
+                self.tree.total_tokens + 1, self.lookup.streak_tokens if self.lookup is not None else 0
+            )
         k = max(getattr(self.policy, "choices", [getattr(self.policy, "k", 8)]) + [8])
-        return max(k, self.lookup.max_tokens) if self.lookup is not None else k
+        return max(k, self.lookup.streak_tokens) if self.lookup is not None else k
 
     def _chain_cycle(self, h, last, sampling, generator, stats, proposals=None):
         """One chain cycle. proposals (prompt lookup): per row a list of copied draft tokens, [] for no

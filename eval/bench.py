@@ -131,7 +131,12 @@ def build_decoder(name: str, target, draft, max_len: int, args) -> Decoder | Spe
             raise ValueError(f"'{STORE_SUFFIX}' extends prompt lookup: name the method <method>+lookup+store")
         datastore = Datastore.load(datastore_path(args))
     lookup = (
-        LookupConfig(max_tokens=getattr(args, "lookup_tokens", 10)) if name.endswith(LOOKUP_SUFFIX) else None
+        LookupConfig(
+            max_tokens=getattr(args, "lookup_tokens", 10),
+            streak_tokens=max(getattr(args, "lookup_tokens", 10), getattr(args, "lookup_streak_tokens", 20)),
+        )
+        if name.endswith(LOOKUP_SUFFIX)
+        else None
     )
     name = name.removesuffix(LOOKUP_SUFFIX)
     fixed_k = name.removeprefix("eagle3-k")
@@ -251,6 +256,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--lookup-tokens", type=int, default=10, help="tokens a prompt-lookup copy drafts at most"
     )
+    ap.add_argument("--lookup-streak-tokens", type=int, default=20,
+                    help="... after a copy accepted in full (LookupConfig.streak_tokens; 10 = off)")  # fmt: skip
     ap.add_argument("--compile-draft", action="store_true")
     ap.add_argument("--fp8", choices=["none", "target", "draft", "both"], default="none",
                     help="FP8 weight-only layers (emulated on CPU) for the target and/or the draft of every "

@@ -101,6 +101,29 @@ def test_lookup_greedy_identical_to_plain(target, policy):
     assert any(0 < n < len(ps) for n in got.stats["spec"].lookup_rows)  # some cycles mixed both
 
 
+def test_lookup_streak_copies_longer_after_a_full_accept(target):
+    """streak_tokens: a copy that follows a fully accepted copy drafts streak_tokens, any other max_tokens;
+    the output stays plain decoding's."""
+    cfg = LookupConfig(max_tokens=4, streak_tokens=9)
+    longer = 0
+    for p in repetitive_prompts():
+        ref = Decoder(target, max_len=160).generate([p], 40).tokens[0]
+        got = SpecDecoder(target, make_draft(target), max_len=160, policy=FixedK(3), lookup=cfg).generate(
+            [p], 40
+        )
+        assert got.tokens[0] == ref
+        st = got.stats["spec"]
+        for i, (k, n) in enumerate(zip(st.draft_lengths, st.lookup_rows)):
+            if not n:
+                continue
+            after_full = i > 0 and st.lookup_rows[i - 1] and st.accepted[i - 1] == st.draft_lengths[i - 1]
+            assert k == (9 if after_full else 4), (i, k)
+            longer += k == 9
+    assert longer > 0
+    with pytest.raises(ValueError, match="streak_tokens"):
+        LookupConfig(max_tokens=10, streak_tokens=5)
+
+
 def test_lookup_with_trees_greedy_identical_to_plain(target):
     """Trees with prompt lookup: a cycle with a match verifies the copy as a chain, the others draft trees;
     both kinds of cycle occur, copied tokens are accepted, and the output is plain decoding's."""
@@ -152,13 +175,14 @@ def test_bench_method_names(target):
                            tree_top_k=6, tree_tokens=24)  # fmt: skip
     d = make_draft(target)
     dec = build_decoder("eagle3-tuned+lookup", target, d, 64, args)
-    assert dec.lookup == LookupConfig() and isinstance(dec.policy, DraftLengthTuner)
+    assert dec.lookup.max_tokens == 10 and isinstance(dec.policy, DraftLengthTuner)
     dec = build_decoder("eagle3-k3+lookup", target, d, 64, args)
-    assert dec.lookup == LookupConfig() and dec.policy.k == 3
+    assert dec.lookup.max_tokens == 10 and dec.policy.k == 3
     assert build_decoder("eagle3-k3", target, d, 64, args).lookup is None
     dec = build_decoder("eagle3-tree+lookup", target, d, 64, args)
-    assert dec.lookup == LookupConfig() and dec.tree == TreeConfig(5, 6, 24)
-    args.lookup_tokens = 14  # --lookup-tokens
+    assert dec.tree == TreeConfig(5, 6, 24)
+    assert dec.lookup == LookupConfig(streak_tokens=20)  # the default --lookup-streak-tokens
+    args.lookup_tokens, args.lookup_streak_tokens = 14, 10  # --lookup-tokens; a streak below it: off
     assert build_decoder("eagle3-tuned+lookup", target, d, 64, args).lookup == LookupConfig(max_tokens=14)
 
 
