@@ -241,9 +241,8 @@ class SpecDecoder:
             if index is not None:
                 for b, (ix, e) in enumerate(zip(index, emitted)):
                     ix.extend(e)
-                    full = proposals[b] is not None and 0 < len(proposals[b]) < len(
-                        e
-                    )  # every copied token kept
+                    copied = proposals[b]  # a list wherever there is an index
+                    full = bool(copied) and len(e) > len(copied)  # every copied token kept, + the next
                     copy_len[b] = self.lookup.streak_tokens if full else self.lookup.max_tokens
             for b in range(B):
                 if done[b]:
@@ -263,9 +262,8 @@ class SpecDecoder:
 
     def _max_draft(self) -> int:
         if self.tree is not None:
-            return max(
-                self.tree.total_tokens + 1, self.lookup.streak_tokens if self.lookup is not None else 0
-            )
+            copy = self.lookup.streak_tokens if self.lookup is not None else 0
+            return max(self.tree.total_tokens + 1, copy)
         k = max(getattr(self.policy, "choices", [getattr(self.policy, "k", 8)]) + [8])
         return max(k, self.lookup.streak_tokens) if self.lookup is not None else k
 
