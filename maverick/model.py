@@ -133,7 +133,7 @@ class Attention(nn.Module):
             k, v = ctx.cache.write(self.layer, k, v, ctx.kv_len, ctx.write_index)  # [B, Hkv, S, D]
         mask = ctx.chunk_mask if self.chunked else ctx.full_mask
         if ctx.tree is not None:
-            o = tree_attention(q, k, v, ctx.tree, self.chunked and ctx.chunk, ctx.positions)
+            o = tree_attention(q, k, v, ctx.tree, self.chunked)
         elif ctx.full_bias is not None:  # a short call on the exact path (Llama4.forward)
             o = exact_attention(q, k, v, ctx.chunk_bias if self.chunked else ctx.full_bias)
         else:  # a cache may hold bf16 values in fp32 (exact decoding): the cast back is lossless
@@ -162,18 +162,25 @@ class TreeLayout:
     keys [T, S]: the cache slot of each (node, chain slot). Every node on one root-to-leaf path can use that
     leaf's layout (its slots past the node's own position are masked out, weight 0), so the values are
     gathered once per leaf: leaf_keys [L, S]; paths [L, M] the nodes of each leaf's path by depth (short
-    paths repeat their leaf); leaf_of, depth [T]: the leaf whose call computes node t, at row block depth."""
+    paths repeat their leaf); leaf_of, depth [T]: the leaf whose call computes node t, at row block depth.
+    bias / chunk_bias [T, S]: `additive` masks in chain order (the slots up to each node's position; on
+    chunked layers only those in its chunk; None without chunked layers), the same for every layer."""
 
     keys: Tensor
     leaf_keys: Tensor
     paths: Tensor
     leaf_of: Tensor
     depth: Tensor
+    bias: Tensor
+    chunk_bias: Tensor | None
 
 
-def tree_layout(tree_mask: Tensor, start: int, kv_len: int) -> TreeLayout:
+def tree_layout(
+    tree_mask: Tensor, start: int, kv_len: int, positions: Tensor, chunk: int | None = None
+) -> TreeLayout:
     """The layout of a tree verify whose T nodes go to cache slots start.. start+T-1; tree_mask [1, T, T]
-    (node i sees j iff j is i or an ancestor: ancestors come first, by depth)."""
+    (node i sees j iff j is i or an ancestor: ancestors come first, by depth); positions [1, T]; chunk: the
+    chunked layers' chunk size (None: no chunked layers)."""
     anc = tree_mask[0]
     T = anc.shape[-1]
     keys = torch.arange(kv_len, device=anc.device).repeat(T, 1)
@@ -187,14 +194,18 @@ def tree_layout(tree_mask: Tensor, start: int, kv_len: int) -> TreeLayout:
         path = anc[leaf].nonzero()[:, 0]
         paths[i, : len(path)] = path
     leaf_of = anc[leaves].int().argmax(0)  # the first leaf below each node
-    return TreeLayout(keys, keys[leaves], paths, leaf_of, depth)
+    pos = positions[0]
+    slot = torch.arange(kv_len, device=anc.device)
+    mask = slot[None, :] <= pos[:, None]  # [T, S]
+    chunk_bias = None
+    if chunk:
+        chunk_bias = additive(mask & (slot[None, :] // chunk == pos[:, None] // chunk))
+    return TreeLayout(keys, keys[leaves], paths, leaf_of, depth, additive(mask), chunk_bias)
 
 
-def tree_attention(
-    q: Tensor, k: Tensor, v: Tensor, tree: TreeLayout, chunk: int | None, positions: Tensor
-) -> Tensor:
+def tree_attention(q: Tensor, k: Tensor, v: Tensor, tree: TreeLayout, chunked: bool = False) -> Tensor:
     """Tree verification (batch 1), bit-identical to decoding each path token by token (see TreeLayout).
-    q [1, Hq, T, D], k/v [1, Hkv, S, D] in cache order.
+    q [1, Hq, T, D], k/v [1, Hkv, S, D] in cache order; chunked: a chunked-attention layer.
 
     A score is one D-long dot product, whose bits do not depend on where its key sits: the scores of all
     nodes come from one product in cache order (at least `bmm_min_rows()` rows), gathered into each node's
@@ -204,22 +215,18 @@ def tree_attention(
     _, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    pos = positions[0]  # [T]
-    slot = torch.arange(S, device=q.device)
-    mask = slot[None, :] <= pos[:, None]  # [T, S]
-    if chunk:
-        mask = mask & (slot[None, :] // chunk == pos[:, None] // chunk)
+    bias = tree.chunk_bias if chunked else tree.bias  # [T, S]
     if rows is None:  # no row count keeps bits: each node's product on its own gathered keys
         k_t = k[0][:, tree.keys].transpose(0, 1)  # [T, Hkv, S, D]
         v_t = v[0][:, tree.keys].transpose(0, 1)
-        o = exact_attention(q[0].transpose(0, 1)[:, :, None], k_t, v_t, additive(mask[:, None, None]))
+        o = exact_attention(q[0].transpose(0, 1)[:, :, None], k_t, v_t, bias[:, None, None])
         return o[:, :, 0].transpose(0, 1)[None]  # o: [T, Hq, 1, D]
     q_f = q[0].float().view(Hkv, G, T, D).transpose(1, 2).reshape(Hkv, T * G, D)  # rows node-major
     if T * G < rows:
         q_f = F.pad(q_f, (0, 0, 0, rows - T * G))
     scores = torch.bmm(q_f, k[0].float().transpose(1, 2))[:, : T * G].view(Hkv, T, G, S)
     scores = scores.gather(3, tree.keys[None, :, None, :].expand(Hkv, T, G, S))  # each node's chain order
-    probs = scores.mul_(D**-0.5).add_(additive(mask)[None, :, None]).softmax(-1)
+    probs = scores.mul_(D**-0.5).add_(bias[None, :, None]).softmax(-1)
     L, M = tree.paths.shape  # index_select: ~10x faster than advanced indexing on dim 1 here
     probs = probs.index_select(1, tree.paths.flatten()).view(Hkv * L, M * G, S)  # each leaf's path
     if M * G < rows:
@@ -530,7 +537,8 @@ class Llama4(nn.Module):
         exact = T <= EXACT_ATTENTION_MAX_T and (cache is None or cache.exact)  # see exact_attention
         tree = None
         if tree_mask is not None and cache is not None and B == 1 and T <= EXACT_ATTENTION_MAX_T:
-            tree = tree_layout(tree_mask, int(start[0]), kv_len)
+            chunk = cfg.attention_chunk_size if chunked is not None else None
+            tree = tree_layout(tree_mask, int(start[0]), kv_len, positions, chunk)
         ctx = _Ctx(
             positions, cos, sin, full, chunked, additive(full) if exact else None,
             additive(chunked) if exact and chunked is not None else None, tree,

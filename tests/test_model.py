@@ -397,10 +397,10 @@ def test_tree_attention_gives_each_node_the_bits_of_its_decode_step(monkeypatch,
         anc = tree_attention_mask(parents)[None]
         depth = anc[0].sum(-1) - 1
         positions = (start + depth)[None]
-        tree = mm.tree_layout(anc, start, S)
+        tree = mm.tree_layout(anc, start, S, positions, chunk)
         q = torch.randn(1, Hq, T, D, generator=g).bfloat16()
         k, v = torch.randn(2, 1, Hkv, S, D, generator=g).bfloat16().float()  # the fp32 cache
-        got = mm.tree_attention(q, k, v, tree, chunk, positions)
+        got = mm.tree_attention(q, k, v, tree, chunked=chunk is not None)
         slot = torch.arange(S)
         for t in range(T):
             path = anc[0, t].nonzero()[:, 0]
