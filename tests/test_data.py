@@ -318,3 +318,16 @@ def test_build_chat_dataset_and_cache(tok, tmp_path, monkeypatch):
         )
     with pytest.raises(AssertionError, match="rendered again"):
         data.build_chat_dataset(convs, tok, max_length=64, heldout_fraction=0.3, seed=2, cache_dir=tmp_path)
+
+
+def test_build_chat_dataset_with_an_empty_split(tok, tmp_path):
+    """A file of training chats only (regenerated answers, say) leaves the held-out split empty: built,
+    cached and loaded back as an empty split with the same columns."""
+    convs = [c for c in _small_conversations()[:30] if not data.is_heldout(c["id"], 0.3, 1)]
+    for _ in range(2):  # the build, then the cache
+        dd = data.build_chat_dataset(
+            convs, tok, max_length=64, heldout_fraction=0.3, seed=1, cache_dir=tmp_path
+        )
+        assert (len(dd["train"]), len(dd["heldout"])) == (len(convs), 0)
+        assert dd["heldout"].column_names == ["id", "input_ids", "loss_mask"]
+        assert sorted(dd["train"]["id"]) == sorted(c["id"] for c in convs)

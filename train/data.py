@@ -498,7 +498,7 @@ def build_chat_dataset(
     final = cache_dir / f"chat-{key}"
     if (final / "build_report.json").is_file():
         log.info("chat dataset: loading cached %s", final)
-        return datasets.load_from_disk(str(final))
+        return _load_chat_dataset(final)
 
     rows: dict[str, dict[str, list]] = {
         s: {"id": [], "input_ids": [], "loss_mask": []} for s in ("train", "heldout")
@@ -554,7 +554,24 @@ def build_chat_dataset(
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         shutil.rmtree(tmp, ignore_errors=True)  # another process finished the same build first
-    return datasets.load_from_disk(str(final))
+    return _load_chat_dataset(final)
+
+
+def _load_chat_dataset(final: pathlib.Path):
+    """The cached DatasetDict; an empty split (e.g. no held-out ids among a file of training chats) is
+    rebuilt empty, since `datasets` saves it without a table and cannot load it back."""
+    import datasets
+
+    report = json.loads((final / "build_report.json").read_text())
+    empty = {"id": [], "input_ids": [], "loss_mask": []}
+    return datasets.DatasetDict(
+        {
+            split: datasets.load_from_disk(str(final / split))
+            if report[split]
+            else datasets.Dataset.from_dict(empty, features=_features())
+            for split in ("train", "heldout")
+        }
+    )
 
 
 def read_build_report(dataset_dir: str | pathlib.Path) -> ChatDatasetReport:

@@ -56,19 +56,32 @@ def regenerate(
     dtype: torch.dtype = torch.bfloat16,
     gguf: str | None = None,
     max_user_chars: int = 2000,
+    device: str = "cpu",
+    max_seconds: float | None = None,
 ) -> dict:
-    model = load_gguf_model(gguf, dtype=dtype)
+    """Answer the user turns of `conversations` with the target and append them to `out` (JSONL).
+    max_seconds: start no new batch after this long (the file stays whole; a rerun continues)."""
+    model = load_gguf_model(gguf, dtype=dtype, device=device)
     tok = load_tokenizer(gguf)
     eos = model.config.eos_ids
     out.parent.mkdir(parents=True, exist_ok=True)
     done = _read_done(out)
     todo = [c for c in conversations if c["id"] not in done and user_turns(c, turns, max_user_chars)]
-    # sort by first-turn length so a batch holds similar lengths (less padding in the prefill)
-    todo.sort(key=lambda c: len(user_turns(c, 1, max_user_chars)[0]))
+    # sort by first-turn length within blocks of 8 batches, so a batch holds similar lengths (less padding
+    # in the prefill) while the blocks keep the given order: a run stopped early answered every length
+    block = 8 * batch_size
+    todo = [
+        c
+        for i in range(0, len(todo), block)
+        for c in sorted(todo[i : i + block], key=lambda c: len(user_turns(c, 1, max_user_chars)[0]))
+    ]
     dec = Decoder(model, max_len=max_prompt_tokens + max_new_tokens + 8, batch_size=batch_size, exact=False)
     n_tokens, t0 = 0, time.perf_counter()
     bar = tqdm(total=len(todo), desc="regenerate", unit="conv")
+    n_done = 0
     for i in range(0, len(todo), batch_size):
+        if max_seconds is not None and i and time.perf_counter() - t0 >= max_seconds:
+            break
         batch = todo[i : i + batch_size]
         msgs = [[] for _ in batch]
         live = list(range(len(batch)))
@@ -97,10 +110,16 @@ def regenerate(
                     f.write(json.dumps({"id": c["id"], "messages": m}) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        n_done += len(batch)
         bar.update(len(batch))
         bar.set_postfix(tok_s=f"{n_tokens / (time.perf_counter() - t0):.0f}")
     bar.close()
-    return {"conversations": len(todo), "new_tokens": n_tokens, "seconds": round(time.perf_counter() - t0, 1)}
+    return {
+        "conversations": n_done,
+        "left": len(todo) - n_done,
+        "new_tokens": n_tokens,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
 
 
 def main(argv=None) -> None:
@@ -116,6 +135,10 @@ def main(argv=None) -> None:
     ap.add_argument("--gguf", default=None)
     ap.add_argument("--seed", type=int, default=0, help="which conversations are taken (train split only)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (1 when sharing the CPU)")
+    ap.add_argument("--max-seconds", type=float, default=None,
+                    help="start no new batch after this many seconds (a rerun continues)")  # fmt: skip
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="where the target runs (default: the GPU when there is one)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -138,6 +161,8 @@ def main(argv=None) -> None:
         args.batch_size,
         dtype,
         args.gguf,
+        device=args.device,
+        max_seconds=args.max_seconds,
     )
     print(json.dumps(stats))
 
