@@ -597,8 +597,10 @@ def test_cuda_float8_linear_matches_emulation(scaling):
     emu = Float8Linear.from_float(nn.Linear(256, 128).cuda(), Fp8Recipe(scaling=scaling, backend="emulate"))
     dev = Float8Linear.from_float(emu, Fp8Recipe(scaling=scaling, backend="auto"))
     x, dy = torch.randn(33, 256, device="cuda"), torch.randn(33, 128, device="cuda")
+    # Hopper's FP8 tensor cores accumulate with fewer bits than fp32: on an H200 a few elements in a
+    # thousand differed by up to 2.1e-4 of the largest (tolerance 1e-4 failed for all three scalings)
     for a, b in zip(_fwd_bwd(emu, x, dy), _fwd_bwd(dev, x, dy)):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4 * a.abs().max().item())
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-3 * a.abs().max().item())
 
 
 @pytest.mark.cuda

@@ -226,3 +226,22 @@ def test_compiled_draft_step_identical_and_compiles_once(target):
     assert got.tokens[0] == ref
     assert len(set(got.stats["spec"].draft_lengths)) > 1
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["tiny-moe", "tiny-dense"])
+def test_greedy_identical_on_cuda(dtype, kind):
+    """On the GPU too, chain (fixed and tuned k) and tree output equals plain decoding token for token
+    (passed on an H200: 0 mismatches in 36 generations of 48 tokens)."""
+    torch.manual_seed(0)
+    t = make_target() if kind == "tiny-moe" else Llama4(get_config("tiny-dense"))
+    if kind != "tiny-moe":
+        t.init_weights(std=0.1)
+    d = make_draft(t.eval()).to("cuda", dtype)
+    t = t.to("cuda", dtype)
+    for p in prompts(3):
+        ref = Decoder(t, max_len=160).generate([p], 48).tokens[0]
+        for kw in ({"policy": FixedK(3)}, {"policy": DraftLengthTuner()}, {"tree": TreeConfig(3, 3, 10)}):
+            assert SpecDecoder(t, d, max_len=192, **kw).generate([p], 48).tokens[0] == ref, (p, kw)
