@@ -1,0 +1,154 @@
+"""Teacher-forced acceptance of EAGLE-3 drafts: what a greedy chain would accept, from one target forward
+per answer instead of a decoding run (seconds per draft instead of a benchmark's minutes).
+
+A chain cycle that starts after the committed token x_m drafts x_{m+1}, x_{m+2}, ... and keeps its tokens
+while they equal the target's greedy ones. While they do, the draft's state at its step j is exactly the
+training-time-test state at index m - 1, unroll step j (train/ttt.py: true features up to m - 1, then its
+own outputs). So over the target's own greedy answer, run(t) = the number of leading unroll steps at
+index t whose argmax is the target's, and a cycle starting there accepts min(run(t), k) tokens: exactly,
+for every cycle start (tests/test_acceptance.py checks it against SpecDecoder cycle by cycle). Averaged
+over all answer positions (a decoding run visits only the cycle starts):
+
+    P(run >= i)   the share of positions whose first i draft tokens are right (i = 1..steps)
+    tau(k)        = 1 + sum_{i <= k} P(run >= i), the chain acceptance length at draft length k
+
+Trees and sampling are not covered (a tree accepts what its top-k branches hold; use eval.bench).
+
+    python -m eval.acceptance --draft eagle3/drafts/smollm2-135m-instruct --draft runs/draft-v6 --n 80
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from eagle3.draft import Eagle3Draft, load_draft
+from maverick.generate import Decoder
+from maverick.model import Llama4
+from train.dump import run_target
+from train.ttt import ttt_unroll
+
+
+def greedy_answers(
+    model: Llama4, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int = 16
+) -> list[list[int]]:
+    """The target's greedy answers (up to and including a stop token), in batches."""
+    out: list[list[int]] = []
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i : i + batch_size]
+        dec = Decoder(
+            model, max_len=max(map(len, chunk)) + max_new_tokens + 8, batch_size=len(chunk), exact=False
+        )
+        out += dec.generate(chunk, max_new_tokens, stop_ids=model.config.eos_ids).tokens
+    return out
+
+
+@torch.no_grad()
+def run_lengths(
+    model: Llama4, draft: Eagle3Draft, prompt: Sequence[int], answer: Sequence[int], steps: int
+) -> Tensor:
+    """run[t] (capped at `steps`) for every index t at which a decoding cycle can start: t >= P - 1 for a
+    prompt of P tokens (the first answer token comes from the prefill, so the first cycle starts at
+    x_P, index P - 1), up to the last index that can score all `steps` steps. Element j is index P - 1 + j."""
+    ids = list(prompt) + list(answer)
+    T = len(ids)
+    sample = {"input_ids": ids, "loss_mask": [0] * len(prompt) + [1] * len(answer)}
+    (f,) = run_target(model, [sample], draft.config.feature_layers, model.dtype)
+    target = f["target_argmax"].long().to(model.device)  # target[t]: its greedy choice for x_{t+1}
+    x = torch.as_tensor(ids, device=model.device)[None]
+    ok = torch.zeros(steps, T, dtype=torch.bool, device=model.device)
+    for i, logits in ttt_unroll(
+        draft, model.model.embed_tokens, x, f["features"][None].to(model.device), steps
+    ):
+        pred = draft.draft_to_target_ids[logits[0].argmax(-1)]  # index t, step i predicts x_{t+2+i}
+        ok[i, : T - 1 - i] = pred[: T - 1 - i] == target[1 + i :]
+    # leading correct steps: cumprod along the steps
+    run = ok.long().cumprod(0).sum(0)
+    first = len(prompt) - 1
+    last = T - 1 - steps  # index t scores steps 0..steps-1 only if t + steps <= T - 1
+    return run[first:last].cpu()
+
+
+def summarize(runs: Tensor, steps: int) -> dict[str, Any]:
+    p = (
+        [(runs >= i).float().mean().item() for i in range(1, steps + 1)]
+        if len(runs)
+        else [float("nan")] * steps
+    )
+    return {
+        "positions": len(runs),
+        "p_run_ge": [round(v, 4) for v in p],
+        "tau": {k: round(1 + sum(p[:k]), 4) for k in range(1, steps + 1)},
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    from eval.prompts import BENCHMARKS, load_benchmark
+    from maverick.gguf_model import load_gguf_model
+    from maverick.tokenizer import encode_chat, load_tokenizer
+
+    ap = argparse.ArgumentParser(
+        prog="python -m eval.acceptance",
+        description="Teacher-forced greedy chain acceptance of EAGLE-3 drafts on a benchmark's first turns.",
+    )
+    ap.add_argument("--draft", action="append", required=True, help="draft directory (repeat to compare)")
+    ap.add_argument("--bench", choices=BENCHMARKS, default="mtbench")
+    ap.add_argument("--prompts", default=None, help="JSONL of prompts for --bench jsonl")
+    ap.add_argument("--n", type=int, default=80, help="number of prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=5, help="draft positions scored")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    ap.add_argument("--gguf", default=None, help="target GGUF (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    model, tok = load_gguf_model(args.gguf, dtype=dtype), load_tokenizer(args.gguf)
+    prompts = [
+        encode_chat(
+            tok,
+            ([{"role": "system", "content": p["system"]}] if "system" in p else [])
+            + [{"role": "user", "content": p["turns"][0]}],
+        )
+        for p in load_benchmark(args.bench, args.n, args.prompts)
+    ]
+    t0 = time.perf_counter()
+    answers = greedy_answers(model, prompts, args.max_new_tokens)
+    result: dict[str, Any] = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "answer_tokens": sum(map(len, answers)),
+        "answer_seconds": round(time.perf_counter() - t0, 1),
+        "drafts": {},
+    }
+    print(f"{len(prompts)} {args.bench} prompts, {result['answer_tokens']} answer tokens ({args.dtype})")
+    print(f"{'draft':48s} {'positions':>9s} | P(run >= i), i = 1..{args.steps} | tau(k): k = 1..{args.steps}")
+    for path in args.draft:
+        draft = load_draft(path, dtype=dtype)
+        runs = torch.cat([run_lengths(model, draft, p, a, args.steps) for p, a in zip(prompts, answers)])
+        s = summarize(runs, args.steps)
+        result["drafts"][path] = s
+        print(
+            f"{path[-48:]:48s} {s['positions']:9d} | {' '.join(f'{v:.3f}' for v in s['p_run_ge'])} | "
+            f"{' '.join(f'{v:.3f}' for v in s['tau'].values())}",
+            flush=True,
+        )
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.out.with_name(args.out.name + ".tmp")
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+        os.replace(tmp, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()

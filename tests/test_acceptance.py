@@ -1,0 +1,41 @@
+"""eval.acceptance: teacher-forced run lengths give every greedy chain cycle's accepted count exactly."""
+
+import torch
+
+from eagle3.draft import load_draft
+from eagle3.spec import SpecDecoder
+from eagle3.tuner import FixedK
+from eval.acceptance import greedy_answers, run_lengths, summarize
+from maverick.gguf_model import load_gguf_model
+from maverick.tokenizer import encode_chat, load_tokenizer
+
+DRAFT = "eagle3/drafts/smollm2-135m-instruct"
+
+
+def test_run_lengths_predict_each_cycle_of_a_decoding_run():
+    """The real target and shipped draft in fp32: for each cycle of SpecDecoder with k = 3, the accepted
+    count equals min(run[t], 3) at the cycle's start index t."""
+    model, tok = load_gguf_model(dtype=torch.float32), load_tokenizer()
+    draft = load_draft(DRAFT, dtype=torch.float32)
+    k, steps, checked = 3, 4, 0
+    for q in ["Write a short poem about the sea.", "List three uses of Python, one line each."]:
+        prompt = encode_chat(tok, [{"role": "user", "content": q}])
+        g = SpecDecoder(model, draft, max_len=256, policy=FixedK(k)).generate([prompt], 48)
+        answer, accepted = g.tokens[0], g.stats["spec"].accepted
+        assert answer == greedy_answers(model, [prompt], 48)[0][: len(answer)]
+        run = run_lengths(model, draft, prompt, answer, steps)
+        assert len(run) == len(answer) - steps  # indices P-1 .. P+len(answer)-2-steps
+        j = 0  # the cycle's start index minus (P - 1)
+        for a in accepted:
+            if j < len(run):
+                assert a == min(int(run[j]), k), (q, j, a, int(run[j]))
+                checked += 1
+            j += a + 1
+    assert checked >= 40 and sum(accepted) > 0  # enough cycles, some accepting
+
+
+def test_summarize_counts_runs():
+    s = summarize(torch.tensor([0, 1, 2, 5, 3, 0, 1, 4]), 5)
+    assert s["positions"] == 8
+    assert s["p_run_ge"] == [0.75, 0.5, 0.375, 0.25, 0.125]
+    assert s["tau"][1] == 1.75 and s["tau"][3] == 1 + 0.75 + 0.5 + 0.375
