@@ -237,10 +237,11 @@ class DraftLengthTuner(_Policy):
     up) and how many observations a prior is worth.
     alpha_ema: per-cycle discount of the acceptance evidence (0.01 ~ the last hundred cycles at
     batch 1: noise ~0.05 on an alpha, yet follows a shift in traffic within a few hundred cycles).
-    cost_ema, cost_window: the measured times' EMA weight and median window (LinearCost). probe_every: every n-th decision tries a
-    neighbour of the best k. k_init: the first choice, before any cost is known (default: the
-    largest, which measures the acceptance at every position at once). tree_configs: hashable
-    tree configurations for ``choose_tree``; tree_min_trials: tries of each before exploiting.
+    cost_ema, cost_window: the measured times' EMA weight and median window (LinearCost).
+    probe_every: every n-th decision tries a neighbour of the best k. k_init: the first choice,
+    before any cost is known (default: the largest, which measures the acceptance at every position
+    at once). tree_configs: hashable tree configurations for ``choose_tree``; tree_min_trials: tries
+    of each before exploiting.
     """
 
     def __init__(
