@@ -51,17 +51,30 @@ def greedy_answers(
     return out
 
 
+def target_fields(
+    model: Llama4, prompt: Sequence[int], answer: Sequence[int], feature_layers: Sequence[int]
+) -> dict[str, Tensor]:
+    """The target's forward over prompt + answer: its features and greedy choices (train.dump.run_target)."""
+    sample = {"input_ids": list(prompt) + list(answer), "loss_mask": [0] * len(prompt) + [1] * len(answer)}
+    return run_target(model, [sample], feature_layers, model.dtype)[0]
+
+
 @torch.no_grad()
 def run_lengths(
-    model: Llama4, draft: Eagle3Draft, prompt: Sequence[int], answer: Sequence[int], steps: int
+    model: Llama4,
+    draft: Eagle3Draft,
+    prompt: Sequence[int],
+    answer: Sequence[int],
+    steps: int,
+    fields: dict[str, Tensor] | None = None,
 ) -> Tensor:
     """run[t] (capped at `steps`) for every index t at which a decoding cycle can start: t >= P - 1 for a
     prompt of P tokens (the first answer token comes from the prefill, so the first cycle starts at
-    x_P, index P - 1), up to the last index that can score all `steps` steps. Element j is index P - 1 + j."""
+    x_P, index P - 1), up to the last index that can score all `steps` steps. Element j is index P - 1 + j.
+    fields: `target_fields` of this prompt and answer for the draft's feature layers, if already computed."""
     ids = list(prompt) + list(answer)
     T = len(ids)
-    sample = {"input_ids": ids, "loss_mask": [0] * len(prompt) + [1] * len(answer)}
-    (f,) = run_target(model, [sample], draft.config.feature_layers, model.dtype)
+    f = fields if fields is not None else target_fields(model, prompt, answer, draft.config.feature_layers)
     target = f["target_argmax"].long().to(model.device)  # target[t]: its greedy choice for x_{t+1}
     x = torch.as_tensor(ids, device=model.device)[None]
     ok = torch.zeros(steps, T, dtype=torch.bool, device=model.device)
@@ -132,9 +145,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     print(f"{len(prompts)} {args.bench} prompts, {result['answer_tokens']} answer tokens ({args.dtype})")
     print(f"{'draft':48s} {'positions':>9s} | P(run >= i), i = 1..{args.steps} | tau(k): k = 1..{args.steps}")
+    fields: dict[tuple[int, ...], list[dict[str, Tensor]]] = {}  # the target's forwards, per feature layers
     for path in args.draft:
         draft = load_draft(path, dtype=dtype)
-        runs = torch.cat([run_lengths(model, draft, p, a, args.steps) for p, a in zip(prompts, answers)])
+        layers = tuple(draft.config.feature_layers)
+        if layers not in fields:
+            fields[layers] = [target_fields(model, p, a, layers) for p, a in zip(prompts, answers)]
+        runs = torch.cat(
+            [
+                run_lengths(model, draft, p, a, args.steps, f)
+                for p, a, f in zip(prompts, answers, fields[layers])
+            ]
+        )
         s = summarize(runs, args.steps)
         result["drafts"][path] = s
         print(

@@ -130,13 +130,11 @@ def build_decoder(name: str, target, draft, max_len: int, args) -> Decoder | Spe
         if not name.endswith(LOOKUP_SUFFIX):
             raise ValueError(f"'{STORE_SUFFIX}' extends prompt lookup: name the method <method>+lookup+store")
         datastore = Datastore.load(datastore_path(args))
+    copy_tokens = getattr(args, "lookup_tokens", 10)
+    # a streak below the base length is off
+    streak = max(copy_tokens, getattr(args, "lookup_streak_tokens", 20))
     lookup = (
-        LookupConfig(
-            max_tokens=getattr(args, "lookup_tokens", 10),
-            streak_tokens=max(getattr(args, "lookup_tokens", 10), getattr(args, "lookup_streak_tokens", 20)),
-        )
-        if name.endswith(LOOKUP_SUFFIX)
-        else None
+        LookupConfig(max_tokens=copy_tokens, streak_tokens=streak) if name.endswith(LOOKUP_SUFFIX) else None
     )
     name = name.removesuffix(LOOKUP_SUFFIX)
     fixed_k = name.removeprefix("eagle3-k")

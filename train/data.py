@@ -563,12 +563,12 @@ def _load_chat_dataset(final: pathlib.Path):
     import datasets
 
     report = json.loads((final / "build_report.json").read_text())
-    empty = {"id": [], "input_ids": [], "loss_mask": []}
+    features = _features()
     return datasets.DatasetDict(
         {
             split: datasets.load_from_disk(str(final / split))
             if report[split]
-            else datasets.Dataset.from_dict(empty, features=_features())
+            else datasets.Dataset.from_dict({k: [] for k in features}, features=features)
             for split in ("train", "heldout")
         }
     )
