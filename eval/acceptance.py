@@ -12,6 +12,15 @@ over all answer positions (a decoding run visits only the cycle starts):
     P(run >= i)   the share of positions whose first i draft tokens are right (i = 1..steps)
     tau(k)        = 1 + sum_{i <= k} P(run >= i), the chain acceptance length at draft length k
 
+Where the acceptance comes from (same positions, the first draft token only):
+
+    in vocab      the share of positions whose next target token is in the draft vocabulary: the ceiling
+                  of P(run >= 1), since a draft never proposes a token outside it
+    confident     the share of positions where the target gives its token probability >= 0.9, and
+                  P(run >= 1) there: what the draft gets right where the target itself is sure
+
+and every number per category of the benchmark (MT-bench has eight).
+
 Trees and sampling are not covered (a tree accepts what its top-k branches hold; use eval.bench).
 
     python -m eval.acceptance --draft eagle3/drafts/smollm2-135m-instruct --draft runs/draft-v6 --n 80
@@ -90,17 +99,51 @@ def run_lengths(
     return run[first:last].cpu()
 
 
-def summarize(runs: Tensor, steps: int) -> dict[str, Any]:
+CONFIDENT = 0.9  # the target's probability of its own token from which a position counts as confident
+
+
+@torch.no_grad()
+def target_detail(
+    model: Llama4,
+    draft: Eagle3Draft,
+    prompt: Sequence[int],
+    answer: Sequence[int],
+    steps: int,
+    fields: dict[str, Tensor],
+) -> dict[str, Tensor]:
+    """For the positions of `run_lengths` (index t: a cycle's first draft token is x_{t+2}): whether the
+    target's greedy choice for x_{t+2} is in the draft vocabulary, and the target's probability of it
+    (fp32 softmax over the full vocabulary from the stored final hidden state)."""
+    first, last = len(prompt) - 1, len(prompt) + len(answer) - 1 - steps
+    target = fields["target_argmax"].long()[first + 1 : last + 1]  # x_{t+2} for t in first..last-1
+    hidden = fields["hidden"][first + 1 : last + 1].to(model.device).float()
+    p = torch.cat([
+        (h @ model.lm_head.weight.float().T).softmax(-1).gather(1, y[:, None].to(model.device))[:, 0]
+        for h, y in zip(hidden.split(512), target.split(512))
+    ]) if len(target) else torch.zeros(0)  # fmt: skip
+    return {"in_vocab": draft.t2d[target.to(draft.t2d.device)].cpu(), "target_p": p.cpu()}
+
+
+def summarize(runs: Tensor, steps: int, detail: dict[str, Tensor] | None = None) -> dict[str, Any]:
+    """P(run >= i), tau(k) and, given `target_detail` of the same positions, the vocabulary ceiling and
+    the agreement where the target is confident."""
     p = (
         [(runs >= i).float().mean().item() for i in range(1, steps + 1)]
         if len(runs)
         else [float("nan")] * steps
     )
-    return {
+    out: dict[str, Any] = {
         "positions": len(runs),
         "p_run_ge": [round(v, 4) for v in p],
         "tau": {k: round(1 + sum(p[:k]), 4) for k in range(1, steps + 1)},
     }
+    if detail is not None:
+        sure = detail["target_p"] >= CONFIDENT
+        nan = float("nan")
+        out["in_vocab"] = round(detail["in_vocab"].float().mean().item(), 4) if len(runs) else nan
+        out["confident"] = round(sure.float().mean().item(), 4) if len(runs) else nan
+        out["p_run_ge_1_confident"] = round((runs[sure] >= 1).float().mean().item(), 4) if sure.any() else nan
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -127,14 +170,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     model, tok = load_gguf_model(args.gguf, dtype=dtype), load_tokenizer(args.gguf)
+    bench = load_benchmark(args.bench, args.n, args.prompts)
     prompts = [
         encode_chat(
             tok,
             ([{"role": "system", "content": p["system"]}] if "system" in p else [])
             + [{"role": "user", "content": p["turns"][0]}],
         )
-        for p in load_benchmark(args.bench, args.n, args.prompts)
+        for p in bench
     ]
+    categories = [p.get("category", args.bench) for p in bench]
     t0 = time.perf_counter()
     answers = greedy_answers(model, prompts, args.max_new_tokens)
     result: dict[str, Any] = {
@@ -144,32 +189,57 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "drafts": {},
     }
     print(f"{len(prompts)} {args.bench} prompts, {result['answer_tokens']} answer tokens ({args.dtype})")
-    print(f"{'draft':48s} {'positions':>9s} | P(run >= i), i = 1..{args.steps} | tau(k): k = 1..{args.steps}")
+    print(
+        f"{'draft':48s} {'positions':>9s} | P(run >= i), i = 1..{args.steps} | tau(k): k = 1..{args.steps} | "
+        f"in vocab | confident: share, P(run >= 1)"
+    )
     fields: dict[tuple[int, ...], list[dict[str, Tensor]]] = {}  # the target's forwards, per feature layers
+    per_category: dict[str, dict[str, dict[str, Any]]] = {}
     for path in args.draft:
         draft = load_draft(path, dtype=dtype)
         layers = tuple(draft.config.feature_layers)
         if layers not in fields:
             fields[layers] = [target_fields(model, p, a, layers) for p, a in zip(prompts, answers)]
-        runs = torch.cat(
-            [
-                run_lengths(model, draft, p, a, args.steps, f)
-                for p, a, f in zip(prompts, answers, fields[layers])
-            ]
-        )
-        s = summarize(runs, args.steps)
+        runs, details = [], []
+        for p, a, f in zip(prompts, answers, fields[layers]):
+            runs.append(run_lengths(model, draft, p, a, args.steps, f))
+            details.append(target_detail(model, draft, p, a, args.steps, f))
+        s = summarize(torch.cat(runs), args.steps, _cat(details))
+        s["categories"] = {
+            c: summarize(
+                torch.cat([r for r, c2 in zip(runs, categories) if c2 == c]),
+                args.steps,
+                _cat([d for d, c2 in zip(details, categories) if c2 == c]),
+            )
+            for c in dict.fromkeys(categories)
+        }
+        per_category[path] = s["categories"]
         result["drafts"][path] = s
         print(
             f"{path[-48:]:48s} {s['positions']:9d} | {' '.join(f'{v:.3f}' for v in s['p_run_ge'])} | "
-            f"{' '.join(f'{v:.3f}' for v in s['tau'].values())}",
+            f"{' '.join(f'{v:.3f}' for v in s['tau'].values())} | {s['in_vocab']:8.3f} | "
+            f"{s['confident']:.3f}, {s['p_run_ge_1_confident']:.3f}",
             flush=True,
         )
+    if len(set(categories)) > 1:
+        k = args.steps
+        print(f"\nper category: P(run >= 1) / tau(k = {k}) / in vocab, one column per draft")
+        for c in dict.fromkeys(categories):
+            cells = [per_category[path][c] for path in args.draft]
+            row = "  ".join(
+                f"{s['p_run_ge'][0]:.3f} / {s['tau'][k]:.3f} / {s['in_vocab']:.3f}" for s in cells
+            )
+            print(f"{c:14s} {cells[0]['positions']:6d}  {row}")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.out.with_name(args.out.name + ".tmp")
         tmp.write_text(json.dumps(result, indent=1) + "\n")
         os.replace(tmp, args.out)
     return result
+
+
+def _cat(details: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
+    return {k: torch.cat([d[k] for d in details]) for k in ("in_vocab", "target_p")}
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ import torch
 from eagle3.draft import load_draft
 from eagle3.spec import SpecDecoder
 from eagle3.tuner import FixedK
-from eval.acceptance import greedy_answers, run_lengths, summarize
+from eval.acceptance import greedy_answers, run_lengths, summarize, target_detail, target_fields
 from maverick.gguf_model import load_gguf_model
 from maverick.tokenizer import encode_chat, load_tokenizer
 
@@ -39,3 +39,39 @@ def test_summarize_counts_runs():
     assert s["positions"] == 8
     assert s["p_run_ge"] == [0.75, 0.5, 0.375, 0.25, 0.125]
     assert s["tau"][1] == 1.75 and s["tau"][3] == 1 + 0.75 + 0.5 + 0.375
+
+
+def test_target_detail_matches_the_target_logits_at_each_cycle_start():
+    """in_vocab / target_p of position j (cycle start index P-1+j) are about x_{P+1+j}, the cycle's first
+    draft token: the draft's t2d of it and the target's softmax probability of it (from a plain forward)."""
+    model, tok = load_gguf_model(dtype=torch.float32), load_tokenizer()
+    draft = load_draft(DRAFT, dtype=torch.float32)
+    prompt = encode_chat(tok, [{"role": "user", "content": "Name the planets of the solar system."}])
+    answer = greedy_answers(model, [prompt], 40)[0]
+    steps = 3
+    f = target_fields(model, prompt, answer, draft.config.feature_layers)
+    d = target_detail(model, draft, prompt, answer, steps, f)
+    run = run_lengths(model, draft, prompt, answer, steps, f)
+    assert d["in_vocab"].shape == d["target_p"].shape == run.shape
+    ids = prompt + answer
+    with torch.no_grad():
+        probs = model(torch.tensor([ids])).logits[0].float().softmax(-1)  # row t: the next token x_{t+1}
+    P = len(prompt)
+    for j in range(len(run)):
+        y = ids[P + 1 + j]  # the greedy answer's token = the target's choice
+        assert bool(d["in_vocab"][j]) == bool(draft.t2d[y])
+        assert abs(float(d["target_p"][j]) - float(probs[P + j, y])) < 1e-4
+        if not draft.t2d[y]:
+            assert run[j] == 0  # a token outside the draft vocabulary is never drafted
+
+
+def test_summarize_reports_the_vocabulary_ceiling_and_confident_positions():
+    runs = torch.tensor([0, 1, 2, 0, 3, 0])
+    detail = {
+        "in_vocab": torch.tensor([False, True, True, True, True, False]),
+        "target_p": torch.tensor([0.95, 0.99, 0.5, 0.92, 0.3, 0.1]),
+    }
+    s = summarize(runs, 3, detail)
+    assert s["in_vocab"] == round(4 / 6, 4)
+    assert s["confident"] == 0.5  # 0.95, 0.99, 0.92
+    assert s["p_run_ge_1_confident"] == round(1 / 3, 4)  # runs 0, 1, 0 there
