@@ -117,11 +117,12 @@ def target_detail(
     first, last = len(prompt) - 1, len(prompt) + len(answer) - 1 - steps
     target = fields["target_argmax"].long()[first + 1 : last + 1]  # x_{t+2} for t in first..last-1
     hidden = fields["hidden"][first + 1 : last + 1].to(model.device).float()
-    p = torch.cat([
-        (h @ model.lm_head.weight.float().T).softmax(-1).gather(1, y[:, None].to(model.device))[:, 0]
-        for h, y in zip(hidden.split(512), target.split(512))
-    ]) if len(target) else torch.zeros(0)  # fmt: skip
-    return {"in_vocab": draft.t2d[target.to(draft.t2d.device)].cpu(), "target_p": p.cpu()}
+    head = model.lm_head.weight.float()
+    p = torch.zeros(len(target))
+    for i in range(0, len(target), 512):  # [512, V] fp32 probabilities at a time
+        probs = (hidden[i : i + 512] @ head.T).softmax(-1)
+        p[i : i + 512] = probs.gather(1, target[i : i + 512, None].to(probs.device))[:, 0].cpu()
+    return {"in_vocab": draft.t2d[target.to(draft.t2d.device)].cpu(), "target_p": p}
 
 
 def summarize(runs: Tensor, steps: int, detail: dict[str, Tensor] | None = None) -> dict[str, Any]:
@@ -194,7 +195,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"in vocab | confident: share, P(run >= 1)"
     )
     fields: dict[tuple[int, ...], list[dict[str, Tensor]]] = {}  # the target's forwards, per feature layers
-    per_category: dict[str, dict[str, dict[str, Any]]] = {}
     for path in args.draft:
         draft = load_draft(path, dtype=dtype)
         layers = tuple(draft.config.feature_layers)
@@ -213,7 +213,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             )
             for c in dict.fromkeys(categories)
         }
-        per_category[path] = s["categories"]
         result["drafts"][path] = s
         print(
             f"{path[-48:]:48s} {s['positions']:9d} | {' '.join(f'{v:.3f}' for v in s['p_run_ge'])} | "
@@ -225,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         k = args.steps
         print(f"\nper category: P(run >= 1) / tau(k = {k}) / in vocab, one column per draft")
         for c in dict.fromkeys(categories):
-            cells = [per_category[path][c] for path in args.draft]
+            cells = [result["drafts"][path]["categories"][c] for path in args.draft]
             row = "  ".join(
                 f"{s['p_run_ge'][0]:.3f} / {s['tau'][k]:.3f} / {s['in_vocab']:.3f}" for s in cells
             )
