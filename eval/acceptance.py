@@ -102,27 +102,43 @@ def run_lengths(
 CONFIDENT = 0.9  # the target's probability of its own token from which a position counts as confident
 
 
-@torch.no_grad()
-def target_detail(
-    model: Llama4,
-    draft: Eagle3Draft,
-    prompt: Sequence[int],
-    answer: Sequence[int],
-    steps: int,
-    fields: dict[str, Tensor],
-) -> dict[str, Tensor]:
-    """For the positions of `run_lengths` (index t: a cycle's first draft token is x_{t+2}): whether the
-    target's greedy choice for x_{t+2} is in the draft vocabulary, and the target's probability of it
-    (fp32 softmax over the full vocabulary from the stored final hidden state)."""
+def _first_draft_targets(prompt: Sequence[int], answer: Sequence[int], steps: int) -> slice:
+    """The indices t + 1 of the target's choices for x_{t+2}, the first draft token of a cycle starting at
+    index t, for the positions of `run_lengths`."""
     first, last = len(prompt) - 1, len(prompt) + len(answer) - 1 - steps
-    target = fields["target_argmax"].long()[first + 1 : last + 1]  # x_{t+2} for t in first..last-1
-    hidden = fields["hidden"][first + 1 : last + 1].to(model.device).float()
+    return slice(first + 1, last + 1)
+
+
+@torch.no_grad()
+def target_probs(
+    model: Llama4, prompt: Sequence[int], answer: Sequence[int], steps: int, fields: dict[str, Tensor]
+) -> Tensor:
+    """For the positions of `run_lengths`: the target's probability of its greedy choice for the cycle's
+    first draft token x_{t+2} (fp32 softmax over the full vocabulary from the stored final hidden state).
+    The same for every draft, so computed once per answer."""
+    at = _first_draft_targets(prompt, answer, steps)
+    target = fields["target_argmax"].long()[at]
+    hidden = fields["hidden"][at].to(model.device).float()
     head = model.lm_head.weight.float()
     p = torch.zeros(len(target))
     for i in range(0, len(target), 512):  # [512, V] fp32 probabilities at a time
         probs = (hidden[i : i + 512] @ head.T).softmax(-1)
         p[i : i + 512] = probs.gather(1, target[i : i + 512, None].to(probs.device))[:, 0].cpu()
-    return {"in_vocab": draft.t2d[target.to(draft.t2d.device)].cpu(), "target_p": p}
+    return p
+
+
+def target_detail(
+    draft: Eagle3Draft,
+    prompt: Sequence[int],
+    answer: Sequence[int],
+    steps: int,
+    fields: dict[str, Tensor],
+    target_p: Tensor,
+) -> dict[str, Tensor]:
+    """For the positions of `run_lengths`: whether the target's greedy choice for x_{t+2} is in the draft
+    vocabulary, and its probability (`target_probs`)."""
+    target = fields["target_argmax"].long()[_first_draft_targets(prompt, answer, steps)]
+    return {"in_vocab": draft.t2d[target.to(draft.t2d.device)].cpu(), "target_p": target_p}
 
 
 def summarize(runs: Tensor, steps: int, detail: dict[str, Tensor] | None = None) -> dict[str, Any]:
@@ -195,15 +211,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"in vocab | confident: share, P(run >= 1)"
     )
     fields: dict[tuple[int, ...], list[dict[str, Tensor]]] = {}  # the target's forwards, per feature layers
+    probs: list[Tensor] = []  # target_probs per answer: the same whatever the draft
     for path in args.draft:
         draft = load_draft(path, dtype=dtype)
         layers = tuple(draft.config.feature_layers)
         if layers not in fields:
             fields[layers] = [target_fields(model, p, a, layers) for p, a in zip(prompts, answers)]
+        if not probs:
+            probs = [
+                target_probs(model, p, a, args.steps, f) for p, a, f in zip(prompts, answers, fields[layers])
+            ]
         runs, details = [], []
-        for p, a, f in zip(prompts, answers, fields[layers]):
+        for p, a, f, tp in zip(prompts, answers, fields[layers], probs):
             runs.append(run_lengths(model, draft, p, a, args.steps, f))
-            details.append(target_detail(model, draft, p, a, args.steps, f))
+            details.append(target_detail(draft, p, a, args.steps, f, tp))
         s = summarize(torch.cat(runs), args.steps, _cat(details))
         s["categories"] = {
             c: summarize(

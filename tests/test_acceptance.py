@@ -5,7 +5,7 @@ import torch
 from eagle3.draft import load_draft
 from eagle3.spec import SpecDecoder
 from eagle3.tuner import FixedK
-from eval.acceptance import greedy_answers, run_lengths, summarize, target_detail, target_fields
+from eval.acceptance import greedy_answers, run_lengths, summarize, target_detail, target_fields, target_probs
 from maverick.gguf_model import load_gguf_model
 from maverick.tokenizer import encode_chat, load_tokenizer
 
@@ -50,7 +50,7 @@ def test_target_detail_matches_the_target_logits_at_each_cycle_start():
     answer = greedy_answers(model, [prompt], 40)[0]
     steps = 3
     f = target_fields(model, prompt, answer, draft.config.feature_layers)
-    d = target_detail(model, draft, prompt, answer, steps, f)
+    d = target_detail(draft, prompt, answer, steps, f, target_probs(model, prompt, answer, steps, f))
     run = run_lengths(model, draft, prompt, answer, steps, f)
     assert d["in_vocab"].shape == d["target_p"].shape == run.shape
     ids = prompt + answer
