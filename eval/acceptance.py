@@ -165,8 +165,8 @@ def summarize(runs: Tensor, steps: int, detail: dict[str, Tensor] | None = None)
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from eval.prompts import BENCHMARKS, load_benchmark
-    from maverick.gguf_model import load_gguf_model
-    from maverick.tokenizer import encode_chat, load_tokenizer
+    from maverick.target import TARGET_HELP, load_target, load_target_tokenizer
+    from maverick.tokenizer import encode_chat
 
     ap = argparse.ArgumentParser(
         prog="python -m eval.acceptance",
@@ -179,14 +179,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--steps", type=int, default=5, help="draft positions scored")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    ap.add_argument("--gguf", default=None, help="target GGUF (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--target", "--gguf", dest="target", default=None, help=TARGET_HELP)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    model, tok = load_gguf_model(args.gguf, dtype=dtype), load_tokenizer(args.gguf)
+    model, tok = load_target(args.target, dtype=dtype), load_target_tokenizer(args.target)
     bench = load_benchmark(args.bench, args.n, args.prompts)
     prompts = [
         encode_chat(

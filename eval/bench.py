@@ -55,8 +55,8 @@ from eval.report import (
     write_report,
 )
 from maverick.generate import Decoder
-from maverick.gguf_model import load_gguf_model
-from maverick.tokenizer import default_gguf_path, encode_chat, load_tokenizer
+from maverick.target import TARGET_HELP, load_hf_reference, load_target, load_target_tokenizer
+from maverick.tokenizer import default_gguf_path, encode_chat
 
 DEFAULT_DRAFT = Path(__file__).resolve().parent.parent / "eagle3" / "drafts" / "smollm2-135m-instruct"
 ALL_METHODS = [
@@ -241,7 +241,7 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--gguf", default=None, help="target GGUF (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--target", "--gguf", dest="gguf", default=None, help=TARGET_HELP)
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT), help="EAGLE-3 draft directory")
     ap.add_argument("--datastore", default=None,
                     help="datastore for methods named <method>+lookup+store (default: datastore.safetensors in "
@@ -281,20 +281,15 @@ def main(argv=None) -> int:
         config["tree"] = asdict(tree_config(args))
     print(json.dumps(config), flush=True)
 
-    tok = load_tokenizer(gguf)
-    target = load_gguf_model(gguf, dtype=dtype)
+    tok = load_target_tokenizer(gguf)
+    target = load_target(gguf, dtype=dtype)
     eos = target.config.eos_ids
     draft = None
     if any(m.startswith("eagle3") for m in methods):
         draft = load_draft(args.draft, dtype=dtype)
     hf = None
     if any(m.startswith("hf-") for m in methods):
-        from transformers import LlamaForCausalLM
-
-        p = Path(gguf)
-        hf = (
-            LlamaForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).to(dtype).eval()
-        )
+        hf = load_hf_reference(gguf, dtype)  # the same GGUF file or HF directory in transformers
     if args.fp8 != "none":
         from maverick.fp8 import convert_to_fp8_weight_only
 
@@ -310,7 +305,7 @@ def main(argv=None) -> int:
 
         targets[FP8_SUFFIX] = convert_to_fp8_weight_only(copy.deepcopy(target))
     if any(variant(m) == Q4_SUFFIX for m in methods):
-        targets[Q4_SUFFIX] = load_gguf_model(gguf, dtype=dtype, q4=True)
+        targets[Q4_SUFFIX] = load_target(gguf, dtype=dtype, q4=True)
     runners = {m: Runner(m, args, targets[variant(m)], draft, hf, eos) for m in methods}
 
     prompts = load_benchmark(args.bench, n=args.n, path=args.prompts)

@@ -3,7 +3,9 @@
 Loading builds the model on the meta device, memory-maps the tensors and assigns them: every key must be
 used and every shape must match, or the error names the key. Keys of Llama4ForCausalLM are ours as they
 are; Llama4ForConditionalGeneration nests them under `language_model.` and adds vision keys, which are
-skipped and counted.
+skipped and counted. LlamaForCausalLM directories (config.json `architectures` / `model_type`) go through
+maverick/hf_llama.py's key map and q/k permutation into a dense config; `save_hf(..., layout="llama")`
+writes that layout back. Only safetensors files are read (never pickles, never remote code).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from maverick import hf_llama
 from maverick.config import Llama4Config
 from maverick.model import Llama4, rope_inv_freq
 
@@ -199,11 +202,40 @@ def _use_fp8_experts_where_stored(
             module.experts = Float8Experts(meta, dtype=dtype)
 
 
+def read_hf_config(path: str | os.PathLike) -> dict:
+    """The config.json dict of a checkpoint directory; errors name the file."""
+    f = Path(path) / "config.json"
+    try:
+        return json.loads(f.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no config.json at {f}") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{f}: not valid JSON ({e})") from None
+
+
+def _check_llama4(d: dict, source: str) -> None:
+    archs = d.get("architectures") or []
+    model_type = d.get("model_type")
+    if any(not a.startswith("Llama4") for a in archs) or model_type not in (None, "llama4", "llama4_text"):
+        raise CheckpointError(
+            f"{source}: architectures={archs} model_type={model_type!r} is not supported; supported: "
+            "Llama4ForCausalLM, Llama4ForConditionalGeneration, LlamaForCausalLM"
+        )
+
+
 def load_hf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Llama4:
-    """Load an HF Llama4ForCausalLM / Llama4ForConditionalGeneration directory."""
+    """Load an HF Llama4ForCausalLM / Llama4ForConditionalGeneration or LlamaForCausalLM directory."""
     path = Path(path)
-    cfg = Llama4Config.from_json(path)
-    sd, _ = read_state_dict(path)
+    d = read_hf_config(path)
+    source = str(path / "config.json")
+    if hf_llama.is_llama(d):
+        cfg = hf_llama.config_from_hf(d, source)
+        sd, _ = read_state_dict(path)
+        sd = hf_llama.from_hf(sd, cfg, str(path))
+    else:
+        _check_llama4(d, source)
+        cfg = Llama4Config.from_hf_dict(d)
+        sd, _ = read_state_dict(path)
     return build_model(cfg, sd, dtype, device, source=str(path))
 
 
@@ -224,13 +256,23 @@ def atomic_dir(path: str | os.PathLike, tmp_prefix: str | None = None):
             shutil.rmtree(tmp)
 
 
-def save_hf(model: Llama4, path: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3) -> None:
-    """Write sharded safetensors + index + config.json into `path`, atomically (temp dir, then rename)."""
+def save_hf(
+    model: Llama4, path: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3, layout: str = "llama4"
+) -> None:
+    """Write sharded safetensors + index + config.json into `path`, atomically (temp dir, then rename).
+
+    layout: "llama4" (Llama4ForCausalLM keys, our config.json) or "llama" (LlamaForCausalLM keys, q/k rows
+    back in HF's half-split order, a LlamaConfig; only for plain Llama configs, see hf_llama.check_plain).
+    """
+    if layout not in ("llama4", "llama"):
+        raise ValueError(f"layout must be 'llama4' or 'llama', not {layout!r}")
     path = Path(path)
     cfg = model.config
     sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
+    if layout == "llama":
+        sd = hf_llama.to_hf(sd, cfg)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for k in sorted(sd):
@@ -249,7 +291,11 @@ def save_hf(model: Llama4, path: str | os.PathLike, max_shard_bytes: int = 2 * 1
         total = sum(v.numel() * v.element_size() for v in sd.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        cfg.save_json(tmp / "config.json")
+        if layout == "llama":
+            llama_cfg = hf_llama.hf_config(cfg, model.dtype)
+            (tmp / "config.json").write_text(json.dumps(llama_cfg, indent=2, sort_keys=True))
+        else:
+            cfg.save_json(tmp / "config.json")
 
 
 def count_parameters(cfg: Llama4Config) -> tuple[int, int]:

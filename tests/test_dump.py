@@ -13,8 +13,10 @@ import torch
 import train.dump as dump
 from maverick.config import get_config
 from maverick.model import Llama4
+from maverick.target import load_target
 from train.dump import DumpDataset, DumpError, DumpSettings, plan_batches, run_target, write_dumps
 from train.online import OnlineDataset
+from train.samples import draft_vocab_from, samples_fingerprint
 
 LAYERS = (1, 2, 3)
 
@@ -51,7 +53,7 @@ def tiny_samples(n: int, seed: int = 0, vocab: int = 512) -> list[dict]:
 
 def settings(samples, shard_size=3, dtype="bf16") -> DumpSettings:
     data = {"source": "test", "split": "train", "num_samples": len(samples),
-            "fingerprint": dump.samples_fingerprint(samples)}  # fmt: skip
+            "fingerprint": samples_fingerprint(samples)}  # fmt: skip
     return DumpSettings({"name": "tiny-dense seed 0"}, LAYERS, dtype, 32, shard_size, data)
 
 
@@ -191,7 +193,7 @@ def test_corrupt_shard_names_the_file(tmp_path):
 def test_several_directories_read_as_one(tmp_path):
     model = tiny_target()
     a_samples, b_samples = tiny_samples(4, seed=1), tiny_samples(5, seed=2)
-    va, vb = dump.draft_vocab_from(a_samples, 512, 50)[:2], dump.draft_vocab_from(b_samples, 512, 50)[:2]
+    va, vb = draft_vocab_from(a_samples, 512, 50)[:2], draft_vocab_from(b_samples, 512, 50)[:2]
     write_dumps(model, a_samples, tmp_path / "a", settings(a_samples), vocab=va, progress=False)
     write_dumps(model, b_samples, tmp_path / "b", settings(b_samples), vocab=vb, progress=False)
     a, b = DumpDataset(tmp_path / "a"), DumpDataset(tmp_path / "b")
@@ -231,7 +233,7 @@ def test_vocab_saved_and_validated(tmp_path):
     from eagle3.vocab import count_tokens, select_draft_vocab
 
     model, samples = tiny_target(), tiny_samples(6)
-    d2t, t2d, coverage = dump.draft_vocab_from(samples, 512, 100)
+    d2t, t2d, coverage = draft_vocab_from(samples, 512, 100)
     want_d2t, want_t2d = select_draft_vocab(count_tokens(samples, 512), 100)
     assert torch.equal(d2t, want_d2t) and torch.equal(t2d, want_t2d) and 0 < coverage <= 1
     write_dumps(model, samples, tmp_path, settings(samples), vocab=(d2t, t2d), progress=False)
@@ -276,15 +278,20 @@ CHATS = [
 
 
 def test_cli_end_to_end_on_chats(tmp_path):
-    """python -m train.dump on a chat file with a tiny target saved as an HF directory (SmolLM2's tokenizer)."""
+    """python -m train.dump on a chat file with a tiny target saved as an HF directory without tokenizer
+    files: refused by default (the tokenizer is the target's own), run with SmolLM2's via --tokenizer."""
     from maverick.checkpoint import save_hf
+    from maverick.gguf_loader import default_gguf_path
 
     target = tmp_path / "target"
     save_hf(tiny_target(vocab_size=49152), target)
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps(c) + "\n" for c in CHATS))
     out = tmp_path / "dumps"
-    argv = ["--out", str(out), "--target", str(target), "--target-dtype", "fp32", "--data", str(chats),
+    with pytest.raises(FileNotFoundError, match=r"target has no tokenizer files \(tokenizer.json"):
+        dump.main(["--out", str(out), "--target", str(target), "--data", str(chats)])
+    argv = ["--out", str(out), "--target", str(target), "--tokenizer", str(default_gguf_path()),
+            "--target-dtype", "fp32", "--data", str(chats),
             "--heldout-fraction", "0.2", "--shard-size", "2", "--draft-vocab-size", "64",
             "--feature-layers", "1,2,3", "--cache-dir", str(tmp_path / "cache"), "--no-progress"]  # fmt: skip
     summary = dump.main(argv)  # (an empty held-out split cannot be reloaded by `datasets`: keep one there)
@@ -310,7 +317,7 @@ def test_real_target_smoke(tmp_path):
     assert summary["samples"] == 2 and ds.feature_layers == (2, 15, 27)
     s = ds[0]
     assert s["features"].shape == (len(s["input_ids"]), 3 * 576) and s["hidden"].shape[1] == 576
-    model = dump.load_target(Path(ds.manifest["target"]["path"]), torch.bfloat16)
+    model = load_target(Path(ds.manifest["target"]["path"]), torch.bfloat16)
     with torch.no_grad():
         logits = model(s["input_ids"].long()[None]).logits[0].float()
     assert (logits.argmax(-1) == s["target_argmax"].long()).float().mean() > 0.95

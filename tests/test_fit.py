@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-import train.dump as dump
 from eagle3.draft import DraftConfig, Eagle3Draft, load_draft, save_draft
 from maverick.checkpoint import save_hf
 from maverick.config import get_config
 from maverick.model import Llama4
+from maverick.target import target_identity
 from train.dump import DumpDataset, DumpSettings, write_dumps
 from train.fit import (
     FitConfig,
@@ -35,6 +35,7 @@ from train.fit import (
     ttt_step_sums,
 )
 from train.online import OnlineDataset
+from train.samples import draft_vocab_from, samples_fingerprint
 from train.ttt import TTTBatch, target_draft_logits, ttt_loss
 
 LAYERS = (1, 2, 3)
@@ -80,10 +81,10 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     model, samples = tiny_target(), tiny_samples(16)
     save_hf(model, root / "target")
-    d2t, t2d, _ = dump.draft_vocab_from(samples, 512, 256)
+    d2t, t2d, _ = draft_vocab_from(samples, 512, 256)
     data = {"source": "test", "split": "train", "num_samples": len(samples),
-            "fingerprint": dump.samples_fingerprint(samples)}  # fmt: skip
-    target = dump.target_identity(root / "target") | {"dtype": "fp32"}
+            "fingerprint": samples_fingerprint(samples)}  # fmt: skip
+    target = target_identity(root / "target") | {"dtype": "fp32"}
     settings = DumpSettings(target, LAYERS, "bf16", 32, 8, data)
     write_dumps(model, samples, root / "dumps", settings, batch_tokens=1, vocab=(d2t, t2d), progress=False)
     return {"root": root, "model": model, "samples": samples, "vocab": (d2t, t2d)}
@@ -111,7 +112,7 @@ def make_batch(seed=0):
     cfg = DraftConfig.for_target(target, draft_vocab_size=128, feature_layers=LAYERS)
     draft = Eagle3Draft(cfg)
     draft.init_weights(std=0.2, generator=torch.Generator().manual_seed(seed))
-    d2t, t2d = dump.draft_vocab_from(tiny_samples(8, seed), 512, 128)[:2]
+    d2t, t2d = draft_vocab_from(tiny_samples(8, seed), 512, 128)[:2]
     draft.set_vocab(d2t, t2d)
     g = torch.Generator().manual_seed(seed)
     B, T, H = 3, 14, 64
@@ -285,7 +286,7 @@ def test_init_draft_continues_from_saved_weights(tiny, tmp_path):
     assert first_c == first_b and first_c < random_start - 2.0
 
     other = load_draft(tmp_path / "a" / "draft")  # same weights, another vocabulary
-    d2t, t2d = dump.draft_vocab_from(tiny_samples(16, seed=5), 512, 256)[:2]
+    d2t, t2d = draft_vocab_from(tiny_samples(16, seed=5), 512, 256)[:2]
     other.set_vocab(d2t, t2d)
     save_draft(other, tmp_path / "other")
     run(tiny, tmp_path / "d", steps=2, lr=0.0, init_draft=str(tmp_path / "other"))

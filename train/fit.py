@@ -58,6 +58,10 @@ from torch import Tensor, nn
 from eagle3.draft import DraftConfig, Eagle3Draft, load_draft, save_draft
 from maverick.checkpoint import atomic_dir
 from maverick.config import Llama4Config
+from maverick.target import TARGET_DTYPES, default_target_path, load_target, target_identity
+from train.dump import DumpDataset
+from train.online import OnlineDataset
+from train.samples import add_data_args, chat_samples, draft_vocab_from
 from train.ttt import TTTBatch, ttt_unroll
 
 log = logging.getLogger(__name__)
@@ -372,8 +376,6 @@ def find_checkpoint(out: Path, resume: str) -> Path | None:
 def target_tensors(path: str | None, dtype: torch.dtype) -> tuple[Tensor, Tensor, Llama4Config]:
     """(embedding [V, H], lm_head [V, H]) in fp32 after rounding to the target's `dtype` (what the
     target computed with), and its config."""
-    from train.dump import load_target
-
     model = load_target(path, torch.float32)
     embed = model.model.embed_tokens.weight.detach().to(dtype).float()
     head = embed if model.config.tie_word_embeddings else model.lm_head.weight.detach().to(dtype).float()
@@ -777,8 +779,6 @@ def plot_curves(records: Sequence[dict[str, Any]], path: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from train.dump import TARGET_DTYPES, add_data_args
-
     p = argparse.ArgumentParser(
         prog="python -m train.fit",
         description="Train an EAGLE-3 draft head with the training-time test on hidden-state dumps "
@@ -791,7 +791,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     src.add_argument("--online", action="store_true", help="run the target on the fly (data options below)")
     p.add_argument("--out", required=True, help="output directory (log, checkpoints, draft, curve.png)")
-    p.add_argument("--target", default=None, help="target .gguf / HF dir (default: the one the dumps name)")
+    p.add_argument("--target", default=None, help="target: a llama .gguf file or an HF checkpoint directory "
+                   "(default: the one the dumps name; online: SmolLM2-135M-Instruct GGUF)")  # fmt: skip
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=4, help="samples per process per micro-batch")
     p.add_argument("--grad-accum", type=int, default=1)
@@ -855,8 +856,6 @@ def config_from_args(args: argparse.Namespace) -> FitConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    from train.dump import TARGET_DTYPES, DumpDataset, chat_samples, draft_vocab_from
-
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.threads:
@@ -872,22 +871,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         dtype = TARGET_DTYPES.get(target.get("dtype", "fp32"), torch.float32)
         embed, head, tcfg = target_tensors(target_path, dtype)
         if cfg.target is None and "size" in target:
-            from train.dump import target_identity
-
             if target_identity(target_path)["size"] != target["size"]:
                 raise ValueError(
                     f"{target_path}: size differs from the one recorded in {data.directory}/manifest.json"
                 )
         vocab = data.vocab()
     else:
-        from train.dump import default_target_path
-        from train.online import OnlineDataset
-
         target_path = Path(cfg.target) if cfg.target else default_target_path()
         ns = argparse.Namespace(**cfg.online_args)
-        samples, train_split, _ = chat_samples(
-            ns, ns.tokenizer or (str(target_path) if target_path.is_file() else None)
-        )
+        samples, train_split, _ = chat_samples(ns, ns.tokenizer or str(target_path))
         gpu = torch.cuda.is_available() and not cfg.cpu
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if gpu else "cpu"  # accelerate's device
         data = OnlineDataset.from_path(target_path, samples, TARGET_DTYPES[cfg.target_dtype], device=device)

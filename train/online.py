@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from maverick.model import Llama4
+from maverick.target import load_target
 from train.dump import default_feature_layers, plan_batches, run_target
 
 
@@ -58,8 +59,6 @@ class OnlineDataset:
         device: str = "cpu",
     ) -> OnlineDataset:
         """Load the target (.gguf or HF dir) and run it in `dtype` on `device`."""
-        from train.dump import load_target
-
         return cls(load_target(path, dtype, device), samples, feature_layers)
 
     def __len__(self) -> int:

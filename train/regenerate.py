@@ -23,8 +23,8 @@ import torch
 from tqdm import tqdm
 
 from maverick.generate import Decoder
-from maverick.gguf_model import load_gguf_model
-from maverick.tokenizer import encode_chat, load_tokenizer
+from maverick.target import TARGET_HELP, load_target, load_target_tokenizer
+from maverick.tokenizer import encode_chat
 from train.data import DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED, is_heldout, load_chats, load_sharegpt
 
 
@@ -54,15 +54,16 @@ def regenerate(
     max_prompt_tokens: int = 768,
     batch_size: int = 32,
     dtype: torch.dtype = torch.bfloat16,
-    gguf: str | None = None,
+    target: str | None = None,
     max_user_chars: int = 2000,
     device: str = "cpu",
     max_seconds: float | None = None,
 ) -> dict:
     """Answer the user turns of `conversations` with the target and append them to `out` (JSONL).
-    max_seconds: start no new batch after this long (the file stays whole; a rerun continues)."""
-    model = load_gguf_model(gguf, dtype=dtype, device=device)
-    tok = load_tokenizer(gguf)
+    target: a .gguf file or an HF directory (default SmolLM2-135M-Instruct); max_seconds: start no new batch
+    after this long (the file stays whole; a rerun continues)."""
+    model = load_target(target, dtype=dtype, device=device)
+    tok = load_target_tokenizer(target)
     eos = model.config.eos_ids
     out.parent.mkdir(parents=True, exist_ok=True)
     done = _read_done(out)
@@ -132,7 +133,7 @@ def main(argv=None) -> None:
     ap.add_argument("--max-prompt-tokens", type=int, default=768)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    ap.add_argument("--gguf", default=None)
+    ap.add_argument("--target", "--gguf", dest="target", default=None, help=TARGET_HELP)
     ap.add_argument("--seed", type=int, default=0, help="which conversations are taken (train split only)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (1 when sharing the CPU)")
     ap.add_argument("--max-seconds", type=float, default=None,
@@ -160,7 +161,7 @@ def main(argv=None) -> None:
         args.max_prompt_tokens,
         args.batch_size,
         dtype,
-        args.gguf,
+        args.target,
         device=args.device,
         max_seconds=args.max_seconds,
     )
