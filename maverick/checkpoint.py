@@ -74,9 +74,13 @@ def _text_key(key: str) -> str | None:
     return key
 
 
-def read_state_dict(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], int]:
-    """All text tensors of a checkpoint directory (memory-mapped), and the number of skipped vision keys."""
+def read_state_dict(
+    path: str | os.PathLike, only: Iterable[str] | None = None
+) -> tuple[dict[str, torch.Tensor], int]:
+    """All text tensors of a checkpoint directory (memory-mapped), and the number of skipped vision keys.
+    only: read just these (our names, e.g. the embedding and head), leaving the other tensors unread."""
     path = Path(path)
+    only = None if only is None else set(only)
     out: dict[str, torch.Tensor] = {}
     skipped = 0
     for f in _safetensors_files(path):
@@ -91,7 +95,8 @@ def read_state_dict(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], i
                         raise CheckpointError(
                             f"{f}: key {key!r} maps to {ours!r}, which another key already gave"
                         )
-                    out[ours] = sf.get_tensor(key)
+                    if only is None or ours in only:
+                        out[ours] = sf.get_tensor(key)
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises its own error types for corrupt headers
@@ -223,20 +228,45 @@ def _check_llama4(d: dict, source: str) -> None:
         )
 
 
+def hf_model_config(path: str | os.PathLike) -> tuple[Llama4Config, bool]:
+    """(our config, whether the directory holds the LlamaForCausalLM layout) from its config.json."""
+    d = read_hf_config(path)
+    source = str(Path(path) / "config.json")
+    if hf_llama.is_llama(d):
+        return hf_llama.config_from_hf(d, source), True
+    _check_llama4(d, source)
+    return Llama4Config.from_hf_dict(d), False
+
+
 def load_hf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Llama4:
     """Load an HF Llama4ForCausalLM / Llama4ForConditionalGeneration or LlamaForCausalLM directory."""
     path = Path(path)
-    d = read_hf_config(path)
-    source = str(path / "config.json")
-    if hf_llama.is_llama(d):
-        cfg = hf_llama.config_from_hf(d, source)
-        sd, _ = read_state_dict(path)
+    cfg, llama = hf_model_config(path)
+    sd, _ = read_state_dict(path)
+    if llama:
         sd = hf_llama.from_hf(sd, cfg, str(path))
-    else:
-        _check_llama4(d, source)
-        cfg = Llama4Config.from_hf_dict(d)
-        sd, _ = read_state_dict(path)
     return build_model(cfg, sd, dtype, device, source=str(path))
+
+
+EMBED_KEY, HEAD_KEY = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def load_hf_tables(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor, Llama4Config]:
+    """(embedding [V, H], lm_head [V, H], config) of a checkpoint directory, as stored, reading only those
+    two tensors: what a draft needs of its target (an 8B target in fp32 would be 32 GB for 2 tables).
+    A tied head is the embedding. Both keys are the same in the Llama and Llama 4 layouts."""
+    path = Path(path)
+    cfg, _ = hf_model_config(path)
+    sd, _ = read_state_dict(path, only=(EMBED_KEY, HEAD_KEY))
+    want = {EMBED_KEY: (cfg.vocab_size, cfg.hidden_size)}
+    if not cfg.tie_word_embeddings:
+        want[HEAD_KEY] = want[EMBED_KEY]
+    for key, shape in want.items():
+        if key not in sd:
+            raise CheckpointError(f"{path}: missing key(s) [{key!r}]")
+        if tuple(sd[key].shape) != shape:
+            raise CheckpointError(f"{path}: key {key!r} has shape {tuple(sd[key].shape)}, expected {shape}")
+    return sd[EMBED_KEY], sd[EMBED_KEY] if cfg.tie_word_embeddings else sd[HEAD_KEY], cfg
 
 
 @contextlib.contextmanager

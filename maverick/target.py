@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from maverick.checkpoint import load_hf
+from maverick.checkpoint import load_hf, load_hf_tables
+from maverick.config import Llama4Config
 from maverick.gguf_loader import default_gguf_path
 from maverick.gguf_model import load_gguf_model
 from maverick.model import Llama4
@@ -64,6 +65,26 @@ def load_target(
             raise ValueError(f"{p}: q4 packs a GGUF file's Q4/Q8 weights; an HF directory has none")
         return load_hf(p, dtype=dtype, device=device)
     return load_gguf_model(p, dtype=dtype, device=device, q4=q4)
+
+
+def load_target_tables(
+    path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, Llama4Config]:
+    """(embedding [V, H], lm_head [V, H], config) of the target as it computes in `dtype`: values rounded
+    to `dtype`, returned in fp32. An HF directory reads only those two tensors; a GGUF file (small) loads
+    whole. A tied head is the embedding tensor itself."""
+    p = _resolve(path)
+    if p.is_dir():
+        embed, head, cfg = load_hf_tables(p)
+    else:
+        model = load_gguf_model(p, torch.float32)
+        embed, head, cfg = (
+            model.model.embed_tokens.weight.detach(),
+            model.lm_head.weight.detach(),
+            model.config,
+        )
+    embed32 = embed.to(dtype).float()
+    return embed32, embed32 if cfg.tie_word_embeddings else head.to(dtype).float(), cfg
 
 
 def load_target_tokenizer(path: str | os.PathLike | None = None):

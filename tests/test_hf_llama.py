@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from maverick import hf_llama
 from maverick.checkpoint import build_model, load_hf, read_state_dict, save_hf
 from maverick.generate import Decoder
-from maverick.target import load_target
+from maverick.target import load_target, load_target_tables
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}  # fmt: skip
@@ -137,6 +137,8 @@ def test_tied_round_trip_leaves_the_head_out(tmp_path):
     orig = load_file(tmp_path / "hf" / "model.safetensors")
     assert "lm_head.weight" not in back and sorted(back) == sorted(orig)
     assert all(torch.equal(back[k], orig[k]) for k in orig)
+    embed, head, _ = load_target_tables(tmp_path / "back")  # a tied head is the embedding
+    assert head is embed and torch.equal(embed, orig["model.embed_tokens.weight"])
 
 
 def test_llama4_model_is_refused_in_the_llama_layout(tmp_path):

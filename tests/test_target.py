@@ -19,7 +19,13 @@ from eagle3.draft import load_draft
 from eagle3.spec import SpecDecoder
 from maverick.generate import Decoder
 from maverick.gguf_loader import default_gguf_path
-from maverick.target import load_hf_reference, load_target, load_target_tokenizer, target_identity
+from maverick.target import (
+    load_hf_reference,
+    load_target,
+    load_target_tables,
+    load_target_tokenizer,
+    target_identity,
+)
 from maverick.tokenizer import encode_chat, load_tokenizer
 from train.dump import DumpDataset
 
@@ -59,6 +65,11 @@ def test_load_target_dispatches_and_refuses(llama_dir, tmp_path):
     ours = load_target(llama_dir, torch.float32)
     assert ours.config.vocab_size == 49152 and ours.config.rope_scaling["rope_type"] == "llama3"
     assert target_identity(llama_dir)["kind"] == "hf"
+    # what a draft needs of its target, read alone, as the loaded model holds it rounded to the dtype
+    embed, head, cfg = load_target_tables(llama_dir, torch.bfloat16)
+    assert cfg == ours.config and embed.dtype == head.dtype == torch.float32
+    assert torch.equal(embed, ours.model.embed_tokens.weight.bfloat16().float())
+    assert torch.equal(head, ours.lm_head.weight.bfloat16().float()) and not torch.equal(head, embed)
     with pytest.raises(ValueError, match="q4 packs a GGUF file's Q4/Q8 weights; an HF directory has none"):
         load_target(llama_dir, q4=True)
     with pytest.raises(FileNotFoundError, match="nope.*a .gguf file or an HF directory"):

@@ -58,7 +58,7 @@ from torch import Tensor, nn
 from eagle3.draft import DraftConfig, Eagle3Draft, load_draft, save_draft
 from maverick.checkpoint import atomic_dir
 from maverick.config import Llama4Config
-from maverick.target import TARGET_DTYPES, default_target_path, load_target, target_identity
+from maverick.target import TARGET_DTYPES, default_target_path, load_target_tables, target_identity
 from train.dump import DumpDataset
 from train.online import OnlineDataset
 from train.samples import add_data_args, chat_samples, draft_vocab_from
@@ -375,11 +375,8 @@ def find_checkpoint(out: Path, resume: str) -> Path | None:
 
 def target_tensors(path: str | None, dtype: torch.dtype) -> tuple[Tensor, Tensor, Llama4Config]:
     """(embedding [V, H], lm_head [V, H]) in fp32 after rounding to the target's `dtype` (what the
-    target computed with), and its config."""
-    model = load_target(path, torch.float32)
-    embed = model.model.embed_tokens.weight.detach().to(dtype).float()
-    head = embed if model.config.tie_word_embeddings else model.lm_head.weight.detach().to(dtype).float()
-    return embed, head, model.config
+    target computed with), and its config. Only these two tensors are read from an HF directory."""
+    return load_target_tables(path, dtype)
 
 
 # ----------------------------------------------------------------------------------------------------
