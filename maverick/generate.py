@@ -160,7 +160,7 @@ class Decoder:
 
 def main(argv: Sequence[str] | None = None) -> None:
     from eagle3.sampling import SamplingParams
-    from maverick.gguf_model import load_gguf_model
+    from maverick.parallel import init_from_env, load_model
     from maverick.tokenizer import encode_chat, load_tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -178,12 +178,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--q4", action="store_true",
                     help="keep the GGUF's quantised linears packed (bf16: maverick/q4.py; fp32: maverick/codes.py): faster decoding")  # fmt: skip
+    ap.add_argument("--hf", default=None,
+                    help="HF Llama 4 checkpoint directory instead of the GGUF (the tokenizer stays the GGUF's); under torchrun each rank reads only its slices")  # fmt: skip
     args = ap.parse_args(argv)
+    shard = init_from_env()  # torchrun: tensor + expert parallel over the group (maverick/parallel.py)
+    if shard is not None and (args.q4 or args.compile):
+        ap.error("--q4 and --compile run in one process only: drop them under torchrun")
 
     if args.q4 and args.compile:
         ap.error("--q4 runs eager (a compiled step would take the dense weights): drop --compile or --q4")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    model = load_gguf_model(args.gguf, dtype=dtype, q4=args.q4)
+    model = load_model(shard, dtype, hf=args.hf, gguf=args.gguf, q4=args.q4)
     tok = load_tokenizer(args.gguf)
     if args.chat:
         ids = encode_chat(tok, [{"role": "user", "content": args.prompt}])
@@ -199,7 +204,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         nonlocal shown
         printed.append(int(t[0]))
         text = tok.decode(printed, skip_special_tokens=True)
-        sys.stdout.write(text[len(shown) :])
+        if shard is None or shard.rank == 0:
+            sys.stdout.write(text[len(shown) :])
         sys.stdout.flush()
         shown = text
 
@@ -208,7 +214,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     stats = {"new_tokens": n, "seconds": round(res.seconds, 3), "tokens_per_s": round(n / res.seconds, 2)}
     stats |= {"ttft_s": round(res.ttft, 3), "dtype": args.dtype, "compile": args.compile}
     stats["q4"] = args.q4
-    print("\n" + json.dumps(stats))
+    if shard is None or shard.rank == 0:
+        print("\n" + json.dumps(stats | {"ranks": shard.world if shard else 1}))
 
 
 if __name__ == "__main__":
