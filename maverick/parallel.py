@@ -34,9 +34,11 @@ token-identical to decoding with it. Longer calls (prefill) use all_reduce.
 Why plain sharded weights and explicit collectives rather than DTensor / `parallelize_module`: the
 model's inference kernels read weights directly, not through module calls (`fused_linear` concatenates
 q/k/v and gate/up weights and runs oneDNN-packed copies, `forward_flat` bypasses submodules), so the
-input/output hooks `ColwiseParallel` / `RowwiseParallel` install would not run, and the packed mkldnn
-ops have no DTensor sharding rules. With local plain tensors every kernel (packing, row-count-safe
-chunking, exact attention, tree attention, FP8 experts) runs unchanged on the rank's slice.
+input hooks `ColwiseParallel` / `RowwiseParallel` install never run. Measured (torch 2.13, tiny-dense,
+2 gloo ranks, the standard plan on q/k/v/o and gate/up/down): fp32 fails with "aten.mm.default got mixed
+torch.Tensor and DTensor" (a plain activation meets a DTensor weight inside `group_linear`), bf16 with no
+sharding rule for `mkldnn._reorder_linear_weight`. With local plain tensors every kernel (packing,
+row-count-safe chunking, exact attention, tree attention, FP8 experts) runs unchanged on the rank's slice.
 
 Everything that is not the target (the EAGLE-3 draft, sampling, acceptance) runs replicated: all ranks
 see the same gathered logits and take the same decisions, so they issue the same collectives. A draft
@@ -47,6 +49,7 @@ or acceptance-driven one (FixedK, HeuristicK) with a parallel target.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 from dataclasses import dataclass, field
@@ -75,7 +78,8 @@ class Shard:
 
 def init_from_env() -> Shard | None:
     """Join the process group torchrun describes (WORLD_SIZE, RANK, MASTER_ADDR, ...): nccl with one GPU
-    per rank (LOCAL_RANK) where CUDA is available, gloo on CPU. None in a single process."""
+    per rank (LOCAL_RANK) where CUDA is available, gloo on CPU. None in a single process. The group is
+    destroyed at exit (a gloo group left to the interpreter's teardown aborts the process)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return None
@@ -84,6 +88,7 @@ def init_from_env() -> Shard | None:
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if cuda else "gloo")
+        atexit.register(dist.destroy_process_group)
     return Shard(dist.get_rank(), dist.get_world_size())
 
 

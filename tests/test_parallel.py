@@ -37,6 +37,9 @@ from maverick.parallel import (
     memory_report,
     params_per_rank_formula,
 )
+from maverick.parallel import (
+    main as parallel_main,
+)
 
 FEATURES = (1, 2, 3)
 PROMPT_LEN = 70  # > 64: the prefill reduces by all_reduce, the decode steps by the ordered gather
@@ -63,7 +66,7 @@ def _draft(target_cfg) -> Eagle3Draft:
 def _run(model: Llama4, draft: Eagle3Draft, prompt: list[int]) -> dict:
     """Everything compared between one process and a parallel group: logits of a 70-token forward without a
     cache, of a cached prefill + 8 decode steps, greedy tokens of plain / chain / tree decoding."""
-    seq = torch.tensor([prompt])
+    seq = torch.tensor([prompt], device=model.device)
     out = {"logits": model(seq).logits}
     cache = model.new_cache(1, 256)
     cache.set_window(192)
@@ -71,6 +74,7 @@ def _run(model: Llama4, draft: Eagle3Draft, prompt: list[int]) -> dict:
     for t in range(40, 48):
         steps.append(model(seq[:, t : t + 1], cache=cache).logits)
     out["cached_logits"] = torch.cat(steps, 1)
+    out = {k: v.cpu() for k, v in out.items()}
     out["plain"] = Decoder(model, max_len=256).generate([prompt], NEW_TOKENS).tokens[0]
     chain = SpecDecoder(model, draft, max_len=256, policy=FixedK(3))
     out["chain"] = chain.generate([prompt], NEW_TOKENS).tokens[0]
@@ -79,12 +83,16 @@ def _run(model: Llama4, draft: Eagle3Draft, prompt: list[int]) -> dict:
     return out
 
 
-def _worker(rank: int, world: int, d: str) -> None:
+def _worker(rank: int, world: int, d: str, backend: str = "gloo") -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{d}/rendezvous", rank=rank, world_size=world)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{d}/rendezvous", rank=rank, world_size=world)
     try:
-        model, stats = load_hf_sharded(Path(d) / "ckpt", Shard(rank, world), torch.float32)
-        draft = _draft(model.config)
+        model, stats = load_hf_sharded(Path(d) / "ckpt", Shard(rank, world), torch.float32, device)
+        draft = _draft(model.config).to(device)
         draft.load_state_dict(torch.load(Path(d) / "draft.pt"))
         out = _run(model, draft, torch.load(Path(d) / "prompt.pt"))
         out["bytes_read"] = stats.bytes_read
@@ -117,17 +125,17 @@ def single(tmp_path_factory):
     return d, target, ref
 
 
-def _spawn(d: Path, world: int) -> list[dict]:
-    mp.start_processes(_worker, args=(world, str(d)), nprocs=world, start_method="spawn")
+def _spawn(d: Path, world: int, backend: str) -> list[dict]:
+    mp.start_processes(_worker, args=(world, str(d), backend), nprocs=world, start_method="spawn")
     outs = [torch.load(d / f"rank{r}.pt") for r in range(world)]
     for r in range(world):
         (d / f"rank{r}.pt").unlink()
     return outs
 
 
-def _check(single, world: int) -> list[dict]:
+def _check(single, world: int, backend: str = "gloo") -> list[dict]:
     d, target, ref = single
-    outs = _spawn(d, world)
+    outs = _spawn(d, world, backend)
     for out in outs:
         for key in ("logits", "cached_logits"):
             rel = (out[key] - ref[key]).abs().max() / ref[key].abs().max()
@@ -162,6 +170,13 @@ def test_two_ranks_match_one_process(single):
 def test_four_ranks_match_one_process(single):
     """4 ranks over 2 kv heads: each kv head replicated on two ranks; one expert per rank."""
     _check(single, 4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (nccl: one GPU per rank)")
+def test_two_gpus_nccl_match_one_cpu_process(single):
+    """The nccl path: the same checks against the one CPU process (fp32, TF32 off by default)."""
+    _check(single, 2, "nccl")
 
 
 def test_head_ranges_and_layout():
@@ -210,23 +225,15 @@ def test_memory_report_at_eight_ranks(name):
         assert fp8_expert_layers(cfg) == list(range(1, 46, 2))
 
 
-def test_report_cli():
-    r = subprocess.run(
-        [sys.executable, "-m", "maverick.parallel", "--report", "--configs", "maverick-400b"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr
-    assert "50,103,178,240" in r.stdout
-    bad = subprocess.run(
-        [sys.executable, "-m", "maverick.parallel", "--configs", "tiny-moe", "--world", "3"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert bad.returncode == 2
-    assert bad.stderr.strip().splitlines() == ["error: num_attention_heads=4 does not split over 3 ranks"]
+def test_report_cli(capsys):
+    parallel_main(["--report", "--configs", "maverick-400b"])
+    assert "50,103,178,240" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        parallel_main(["--configs", "tiny-moe", "--world", "3"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: num_attention_heads=4 does not split over 3 ranks"
+    ]
 
 
 @pytest.mark.slow
