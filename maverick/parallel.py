@@ -289,10 +289,21 @@ class ParallelLlama4(Llama4):
 
 def shard_model(model: Llama4, shard: Shard) -> ParallelLlama4:
     """Cut a built model (real or meta tensors) down to this rank's slices (`layout`) and swap in the
-    parallel modules, in place. Real tensors are copied out of the full ones, which can then be freed."""
+    parallel modules, in place. Real tensors are copied out of the full ones, which can then be freed.
+    FP8 experts (maverick/fp8_experts.py, weights and scales as buffers) are cut like the experts; a model
+    can also be cut first and its local experts converted after (per-expert scales: the same result)."""
     cfg = model.config
     plan = layout(cfg, shard)
     (q0, q1), (k0, k1) = head_ranges(cfg, shard)
+    for key, buf in list(model.named_buffers()):
+        if key == "inv_freq":
+            continue
+        layer_key = key.rsplit(".experts.", 1)[0] + ".experts.gate_up_proj"
+        if ".experts." not in key or layer_key not in plan:
+            raise KeyError(f"{key}: a buffer the parallel layout does not know")
+        mod_name, _, name = key.rpartition(".")
+        local = _narrow(buf, plan[layer_key])
+        setattr(model.get_submodule(mod_name), name, local if local.is_meta else local.clone())
     for key, param in list(model.named_parameters()):
         if key not in plan:
             raise KeyError(f"{key}: not in the parallel layout")

@@ -1,6 +1,6 @@
 """Tensor + expert parallel inference (maverick/parallel.py) against one process: 2 and 4 gloo processes on
 CPU load a tiny MoE from sharded safetensors, each reading only its slices; fp32 logits match the single
-process within 1e-5 relative; greedy decoding and speculative decoding (chain and tree, a tiny random
+process within 1e-5 relative (also with FP8 routed experts, converted after or before cutting); greedy decoding and speculative decoding (chain and tree, a tiny random
 draft) emit the single process's tokens. The memory report for Maverick at 8 ranks is checked against
 the parameter-count formula and the published totals.
 
@@ -10,6 +10,7 @@ One spawn per world size runs every multi-process check (process start dominates
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import subprocess
@@ -24,8 +25,9 @@ import torch.multiprocessing as mp
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.spec import SpecDecoder, TreeConfig
 from eagle3.tuner import FixedK
-from maverick.checkpoint import save_hf
+from maverick.checkpoint import load_hf, save_hf
 from maverick.config import get_config
+from maverick.fp8_experts import convert_experts_to_fp8
 from maverick.generate import Decoder
 from maverick.model import Llama4
 from maverick.parallel import (
@@ -36,6 +38,7 @@ from maverick.parallel import (
     load_hf_sharded,
     memory_report,
     params_per_rank_formula,
+    shard_model,
 )
 from maverick.parallel import (
     main as parallel_main,
@@ -83,6 +86,13 @@ def _run(model: Llama4, draft: Eagle3Draft, prompt: list[int]) -> dict:
     return out
 
 
+@torch.no_grad()
+def _fp8_logits(model: Llama4, prompt: list[int]) -> dict:
+    """Logits with the routed experts in FP8 (converted in place: run last)."""
+    convert_experts_to_fp8(model)
+    return {"fp8_logits": model(torch.tensor([prompt], device=model.device)).logits.cpu()}
+
+
 def _worker(rank: int, world: int, d: str, backend: str = "gloo") -> None:
     torch.set_num_threads(1)
     device = torch.device("cpu")
@@ -94,10 +104,15 @@ def _worker(rank: int, world: int, d: str, backend: str = "gloo") -> None:
         model, stats = load_hf_sharded(Path(d) / "ckpt", Shard(rank, world), torch.float32, device)
         draft = _draft(model.config).to(device)
         draft.load_state_dict(torch.load(Path(d) / "draft.pt"))
-        out = _run(model, draft, torch.load(Path(d) / "prompt.pt"))
+        prompt = torch.load(Path(d) / "prompt.pt")
+        out = _run(model, draft, prompt)
+        out["model_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+        out |= _fp8_logits(model, prompt)
+        full = load_hf(Path(d) / "ckpt", torch.float32, str(device))  # FP8 first, then cut
+        convert_experts_to_fp8(full)
+        out["fp8_cut_logits"] = _fp8_logits(shard_model(full, Shard(rank, world)), prompt)["fp8_logits"]
         out["bytes_read"] = stats.bytes_read
         out["bytes_in_files"] = stats.bytes_in_files
-        out["model_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
         torch.save(out, Path(d) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -114,6 +129,8 @@ def single(tmp_path_factory):
     prompt = torch.randint(3, 512, (PROMPT_LEN,), generator=torch.Generator().manual_seed(3)).tolist()
     torch.save(prompt, d / "prompt.pt")
     ref = _run(target, draft, prompt)
+    ref |= _fp8_logits(copy.deepcopy(target), prompt)
+    ref["fp8_cut_logits"] = ref["fp8_logits"]
     # the routing spreads tokens over every rank's experts, or expert parallelism would be untested
     moe = target.model.layers[1].feed_forward
     seen = []
@@ -137,8 +154,9 @@ def _check(single, world: int, backend: str = "gloo") -> list[dict]:
     d, target, ref = single
     outs = _spawn(d, world, backend)
     for out in outs:
-        for key in ("logits", "cached_logits"):
+        for key in ("logits", "cached_logits", "fp8_logits", "fp8_cut_logits"):
             rel = (out[key] - ref[key]).abs().max() / ref[key].abs().max()
+            print(f"{world} ranks ({backend}): {key} max relative error {float(rel):.2e}")
             assert rel < 1e-5, (world, key, float(rel))
             assert not torch.equal(out[key], ref[key]) or world == 1  # the sums really ran in another order
         assert out["plain"] == ref["plain"], world
@@ -158,6 +176,9 @@ def _check(single, world: int, backend: str = "gloo") -> list[dict]:
         assert out["bytes_in_files"] == total
         assert out["bytes_read"] == (total - replicated) // world + replicated + kv_extra
         assert out["model_bytes"] == out["bytes_read"]
+    print(
+        f"{world} ranks: bytes read per rank {outs[0]['bytes_read']:,} of {total:,} ({replicated:,} replicated)"
+    )
     return outs
 
 
