@@ -32,6 +32,7 @@ from maverick.generate import Decoder
 from maverick.model import Llama4
 from maverick.parallel import (
     Shard,
+    all_sum,
     fp8_expert_layers,
     head_ranges,
     layout,
@@ -104,10 +105,23 @@ def _worker(rank: int, world: int, d: str, backend: str = "gloo") -> None:
         model, stats = load_hf_sharded(Path(d) / "ckpt", Shard(rank, world), torch.float32, device)
         draft = _draft(model.config).to(device)
         draft.load_state_dict(torch.load(Path(d) / "draft.pt"))
+        shard = Shard(rank, world)
+        # a row's sum over ranks has the same bits whatever the call's row count (measured: gloo's
+        # all_reduce at 4 ranks changes ~half the elements' bits between sizes)
+        x = torch.randn(1, 9, 5120, generator=torch.Generator().manual_seed(rank)).to(device)
+        full_sum = all_sum(x.clone(), shard)
+        out_sum = [torch.equal(all_sum(x[:, :t].clone(), shard), full_sum[:, :t]) for t in range(1, 9)]
         prompt = torch.load(Path(d) / "prompt.pt")
         out = _run(model, draft, prompt)
+        out["sum_row_invariant"] = out_sum
         out["model_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
         out |= _fp8_logits(model, prompt)
+        # bf16: speculative decoding keeps plain decoding's bits with a parallel target (ordered sums)
+        model, _ = load_hf_sharded(Path(d) / "ckpt", Shard(rank, world), torch.bfloat16, device)
+        draft = draft.to(torch.bfloat16)
+        out["bf16_plain"] = Decoder(model, max_len=256).generate([prompt], NEW_TOKENS).tokens[0]
+        chain = SpecDecoder(model, draft, max_len=256, policy=FixedK(3))
+        out["bf16_chain"] = chain.generate([prompt], NEW_TOKENS).tokens[0]
         full = load_hf(Path(d) / "ckpt", torch.float32, str(device))  # FP8 first, then cut
         convert_experts_to_fp8(full)
         out["fp8_cut_logits"] = _fp8_logits(shard_model(full, Shard(rank, world)), prompt)["fp8_logits"]
@@ -162,6 +176,8 @@ def _check(single, world: int, backend: str = "gloo") -> list[dict]:
         assert out["plain"] == ref["plain"], world
         assert out["chain"] == ref["chain"] == ref["plain"], world
         assert out["tree"] == ref["tree"] == ref["plain"], world
+        assert out["bf16_chain"] == out["bf16_plain"], world
+        assert all(out["sum_row_invariant"]), (world, out["sum_row_invariant"])
     # each rank read only its slices: 1/world of the sharded tensors plus the replicated ones (norms,
     # routers), and kv heads twice as often where 4 ranks share 2 of them
     cfg = target.config
