@@ -3,7 +3,8 @@ gloo on CPU, nccl on GPU). The model file keeps the architecture; `shard_model` 
 to a built model (real or meta tensors), `load_hf_sharded` reads each rank's slices straight from HF
 safetensors, and `memory_report` sizes a rank on the meta device.
 
-    torchrun --nproc-per-node 2 -m maverick.generate --hf CKPT --prompt-ids 1,5,9 --max-new-tokens 16
+    torchrun --nproc-per-node 2 -m maverick.generate --hf CKPT --prompt "Hello" --max-new-tokens 16
+    torchrun --nproc-per-node 3 -m maverick.generate --prompt "Hello"   # SmolLM2 GGUF: 9 q / 3 kv heads
     python -m maverick.parallel --report          # bytes per rank, Maverick and Scout at 8 ranks
 
 The layout (`layout` is the one table every path reads; shape legend as in model.py, w ranks, r rank):
@@ -12,9 +13,13 @@ The layout (`layout` is the one table every path reads; shape legend as in model
   they read. Where ranks outnumber kv heads (w > Hkv), each kv head is replicated on the w/Hkv ranks
   whose query heads read it. The KV cache holds the local kv heads only.
 - Dense MLP and the MoE's shared expert: gate/up rows and down columns split over ranks (I/w each).
+  The shared expert is tensor parallel, not replicated: replicated it would cost every Maverick rank
+  6.0 GB (bf16, 24 layers) instead of 0.75 GB, and its partial sum joins the routed outputs' in the
+  one reduction the MoE needs anyway, so splitting it adds no collective.
 - Routed experts: expert parallel, rank r holds experts r*E/w .. (r+1)*E/w - 1. The router is
-  replicated (E x H, 0.16% of a Maverick MoE layer): every rank routes every token identically from its
-  replicated input, so the exchange plan needs no communication. Rank r dispatches its own block of
+  replicated (E x H: 31 MB in bf16 for Maverick's 24 MoE layers): split, its logits would need a
+  gather before the top-1; replicated, every rank routes every token identically from its replicated
+  input, so the exchange plan needs no communication. Rank r dispatches its own block of
   tokens to the experts' ranks by all_to_all (gloo and nccl both have all_to_all_single, uneven and
   empty splits included; checked on gloo), and receives their outputs back by a second all_to_all.
   NOTE: the activations entering the MoE are replicated (tensor parallel attention ends in a sum over
@@ -24,12 +29,18 @@ The layout (`layout` is the one table every path reads; shape legend as in model
   rows and summed over ranks (one rank holds each row, so the sum is exact), the logits are gathered.
 - Norms replicated.
 
+Loading (`load_hf_sharded`) reads bf16 / fp32 checkpoints; FP8 routed experts come from converting the
+loaded local experts (`fp8_experts.convert_experts_to_fp8`: per-expert scales, so the same numbers as
+converting the full model and cutting it). Meta's FP8 release (per-expert compressed-tensors keys)
+loads in one process only.
+
 Each rank's o_proj, down_proj and MoE (shared expert + routed outputs of its tokens) produce partial
 sums, reduced once per sub-block in `ParallelDecoderLayer.forward`. Calls on the exact path (at most
 `EXACT_ATTENTION_MAX_T` new tokens: decoding, verification) reduce by all_gather and a sum in rank
-order, so a row's bits do not depend on how many rows share the call (a ring all_reduce's reduction
-order depends on the tensor's size): that keeps greedy speculative decoding with a parallel target
-token-identical to decoding with it. Longer calls (prefill) use all_reduce.
+order, so a row's bits do not depend on how many rows share the call: a ring all_reduce chunks by size
+(measured, gloo, 4 ranks: the same rows summed in calls of 1..8 rows differ from the 9-row call in about
+half their elements). That keeps greedy speculative decoding with a parallel target token-identical to
+decoding with it. Longer calls (prefill) use all_reduce.
 
 Why plain sharded weights and explicit collectives rather than DTensor / `parallelize_module`: the
 model's inference kernels read weights directly, not through module calls (`fused_linear` concatenates
@@ -88,7 +99,7 @@ def init_from_env() -> Shard | None:
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if cuda else "gloo")
-        atexit.register(dist.destroy_process_group)
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     return Shard(dist.get_rank(), dist.get_world_size())
 
 
