@@ -306,3 +306,39 @@ def test_torchrun_generate_two_ranks(tmp_path):
     text = lambda s: s.strip().rsplit("\n", 1)  # noqa: E731  (streamed text, JSON stats)
     assert text(two.stdout)[0] == text(one.stdout)[0]
     assert '"ranks": 2' in two.stdout
+
+
+def test_sharded_load_reads_slices_in_process(tmp_path):
+    """Loading needs no process group: every rank of 4 gets exactly its slice of every tensor, and the
+    slices of the 4 ranks put back together are the whole checkpoint."""
+    target = _target()
+    save_hf(target, tmp_path / "ckpt", max_shard_bytes=300_000)
+    sd = target.state_dict()
+    got = [load_hf_sharded(tmp_path / "ckpt", Shard(r, 4))[0].state_dict() for r in range(4)]
+    plan = layout(target.config, Shard(0, 4))
+    for key, s in plan.items():
+        if s is None:
+            assert all(torch.equal(g[key], sd[key]) for g in got), key
+        elif key.endswith(("k_proj.weight", "v_proj.weight")):  # 2 kv heads over 4 ranks: pairs share one
+            assert torch.equal(torch.cat([got[0][key], got[2][key]], s[0]), sd[key]), key
+            assert torch.equal(got[0][key], got[1][key]) and torch.equal(got[2][key], got[3][key]), key
+        else:
+            assert torch.equal(torch.cat([g[key] for g in got], s[0]), sd[key]), key
+
+
+def test_sharded_load_errors_name_the_key(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from maverick.checkpoint import CheckpointError
+
+    target = _target()
+    save_hf(target, tmp_path / "ckpt")
+    f = tmp_path / "ckpt" / "model-00001-of-00001.safetensors"
+    sd = load_file(str(f))
+    key = "model.layers.1.feed_forward.experts.down_proj"
+    save_file({**sd, key: sd[key][:3]}, str(f), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"'{key}' has shape \\(3, 96, 64\\), expected \\(4, 96, 64\\)"):
+        load_hf_sharded(tmp_path / "ckpt", Shard(0, 2))
+    save_file({k: v for k, v in sd.items() if k != key}, str(f), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"missing key\\(s\\) \\['{key}'\\]"):
+        load_hf_sharded(tmp_path / "ckpt", Shard(0, 2))
