@@ -160,12 +160,16 @@ class Decoder:
 
 def main(argv: Sequence[str] | None = None) -> None:
     from eagle3.sampling import SamplingParams
-    from maverick.target import TARGET_HELP, load_target, load_target_tokenizer
+    from maverick.parallel import init_from_env, load_model
+    from maverick.target import TARGET_HELP, load_target_tokenizer
     from maverick.tokenizer import encode_chat
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", required=True)
-    ap.add_argument("--target", "--gguf", dest="target", default=None, help=TARGET_HELP)
+    ap.add_argument("--target", "--gguf", "--hf", dest="target", default=None,
+                    help=TARGET_HELP + "; under torchrun each rank reads only its slices of an HF directory")  # fmt: skip
+    ap.add_argument("--tokenizer", default=None,
+                    help="GGUF file or HF directory with the tokenizer (default: the target's own)")  # fmt: skip
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
@@ -177,12 +181,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--q4", action="store_true",
                     help="keep the GGUF's quantised linears packed (bf16: maverick/q4.py; fp32: maverick/codes.py): faster decoding")  # fmt: skip
     args = ap.parse_args(argv)
+    shard = init_from_env()  # torchrun: tensor + expert parallel over the group (maverick/parallel.py)
+    if shard is not None and (args.q4 or args.compile):
+        ap.error("--q4 and --compile run in one process only: drop them under torchrun")
 
     if args.q4 and args.compile:
         ap.error("--q4 runs eager (a compiled step would take the dense weights): drop --compile or --q4")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    model = load_target(args.target, dtype=dtype, q4=args.q4)
-    tok = load_target_tokenizer(args.target)
+    model = load_model(shard, dtype, args.target, q4=args.q4)
+    tok = load_target_tokenizer(args.tokenizer or args.target)
     if args.chat:
         ids = encode_chat(tok, [{"role": "user", "content": args.prompt}])
     else:
@@ -197,7 +204,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         nonlocal shown
         printed.append(int(t[0]))
         text = tok.decode(printed, skip_special_tokens=True)
-        sys.stdout.write(text[len(shown) :])
+        if shard is None or shard.rank == 0:
+            sys.stdout.write(text[len(shown) :])
         sys.stdout.flush()
         shown = text
 
@@ -206,7 +214,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     stats = {"new_tokens": n, "seconds": round(res.seconds, 3), "tokens_per_s": round(n / res.seconds, 2)}
     stats |= {"ttft_s": round(res.ttft, 3), "dtype": args.dtype, "compile": args.compile}
     stats["q4"] = args.q4
-    print("\n" + json.dumps(stats))
+    if shard is None or shard.rank == 0:
+        print("\n" + json.dumps(stats | {"ranks": shard.world if shard else 1}))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,346 @@
+"""Tensor + expert parallel inference (maverick/parallel.py) against one process: 2 and 4 gloo processes on
+CPU load a tiny MoE from sharded safetensors, each reading only its slices; fp32 logits match the single
+process within 1e-5 relative (also with FP8 routed experts, converted after or before cutting); greedy decoding and speculative decoding (chain and tree, a tiny random
+draft) emit the single process's tokens. The memory report for Maverick at 8 ranks is checked against
+the parameter-count formula and the published totals.
+
+One spawn per world size runs every multi-process check (process start dominates on this CPU); 4 ranks is
+`slow`, as is the torchrun launch of maverick.generate.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from eagle3.draft import DraftConfig, Eagle3Draft
+from eagle3.spec import SpecDecoder, TreeConfig
+from eagle3.tuner import FixedK
+from maverick.checkpoint import load_hf, save_hf
+from maverick.config import get_config
+from maverick.fp8_experts import convert_experts_to_fp8
+from maverick.generate import Decoder
+from maverick.gguf_loader import default_gguf_path
+from maverick.model import Llama4
+from maverick.parallel import (
+    Shard,
+    all_sum,
+    fp8_expert_layers,
+    head_ranges,
+    layout,
+    load_hf_sharded,
+    memory_report,
+    params_per_rank_formula,
+    shard_model,
+)
+from maverick.parallel import (
+    main as parallel_main,
+)
+
+FEATURES = (1, 2, 3)
+PROMPT_LEN = 70  # > 64: the prefill reduces by all_reduce, the decode steps by the ordered gather
+NEW_TOKENS = 12
+
+
+def _target() -> Llama4:
+    torch.manual_seed(0)
+    t = Llama4(get_config("tiny-moe"))
+    t.init_weights(std=0.1)
+    return t.eval()
+
+
+def _draft(target_cfg) -> Eagle3Draft:
+    dc = DraftConfig.for_target(target_cfg, draft_vocab_size=target_cfg.vocab_size, feature_layers=FEATURES)
+    torch.manual_seed(1)
+    d = Eagle3Draft(dc)
+    d.init_weights(std=0.1)
+    d.t2d.fill_(True)
+    return d.eval()
+
+
+@torch.no_grad()
+def _run(model: Llama4, draft: Eagle3Draft, prompt: list[int]) -> dict:
+    """Everything compared between one process and a parallel group: logits of a 70-token forward without a
+    cache, of a cached prefill + 8 decode steps, greedy tokens of plain / chain / tree decoding."""
+    seq = torch.tensor([prompt], device=model.device)
+    out = {"logits": model(seq).logits}
+    cache = model.new_cache(1, 256)
+    cache.set_window(192)
+    steps = [model(seq[:, :40], cache=cache).logits]
+    for t in range(40, 48):
+        steps.append(model(seq[:, t : t + 1], cache=cache).logits)
+    out["cached_logits"] = torch.cat(steps, 1)
+    out = {k: v.cpu() for k, v in out.items()}
+    out["plain"] = Decoder(model, max_len=256).generate([prompt], NEW_TOKENS).tokens[0]
+    chain = SpecDecoder(model, draft, max_len=256, policy=FixedK(3))
+    out["chain"] = chain.generate([prompt], NEW_TOKENS).tokens[0]
+    tree = SpecDecoder(model, draft, max_len=256, tree=TreeConfig(depth=3, top_k=2, total_tokens=6))
+    out["tree"] = tree.generate([prompt], NEW_TOKENS).tokens[0]
+    return out
+
+
+@torch.no_grad()
+def _fp8_logits(model: Llama4, prompt: list[int]) -> dict:
+    """Logits with the routed experts in FP8 (converted in place: run last)."""
+    convert_experts_to_fp8(model)
+    return {"fp8_logits": model(torch.tensor([prompt], device=model.device)).logits.cpu()}
+
+
+def _worker(rank: int, world: int, d: str, backend: str = "gloo") -> None:
+    torch.set_num_threads(1)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{d}/rendezvous", rank=rank, world_size=world)
+    try:
+        model, stats = load_hf_sharded(Path(d) / "ckpt", Shard(rank, world), torch.float32, device)
+        draft = _draft(model.config).to(device)
+        draft.load_state_dict(torch.load(Path(d) / "draft.pt"))
+        shard = Shard(rank, world)
+        # a row's sum over ranks has the same bits whatever the call's row count (measured: gloo's
+        # all_reduce at 4 ranks changes ~half the elements' bits between sizes)
+        x = torch.randn(1, 9, 5120, generator=torch.Generator().manual_seed(rank)).to(device)
+        full_sum = all_sum(x.clone(), shard)
+        out_sum = [torch.equal(all_sum(x[:, :t].clone(), shard), full_sum[:, :t]) for t in range(1, 9)]
+        prompt = torch.load(Path(d) / "prompt.pt")
+        out = _run(model, draft, prompt)
+        out["sum_row_invariant"] = out_sum
+        out["model_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+        out |= _fp8_logits(model, prompt)
+        # bf16: speculative decoding keeps plain decoding's bits with a parallel target (ordered sums)
+        model, _ = load_hf_sharded(Path(d) / "ckpt", Shard(rank, world), torch.bfloat16, device)
+        draft = draft.to(torch.bfloat16)
+        out["bf16_plain"] = Decoder(model, max_len=256).generate([prompt], NEW_TOKENS).tokens[0]
+        chain = SpecDecoder(model, draft, max_len=256, policy=FixedK(3))
+        out["bf16_chain"] = chain.generate([prompt], NEW_TOKENS).tokens[0]
+        full = load_hf(Path(d) / "ckpt", torch.float32, str(device))  # FP8 first, then cut
+        convert_experts_to_fp8(full)
+        out["fp8_cut_logits"] = _fp8_logits(shard_model(full, Shard(rank, world)), prompt)["fp8_logits"]
+        out["bytes_read"] = stats.bytes_read
+        out["bytes_in_files"] = stats.bytes_in_files
+        torch.save(out, Path(d) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    d = tmp_path_factory.mktemp("parallel")
+    target = _target()
+    save_hf(target, d / "ckpt", max_shard_bytes=300_000)  # several files
+    assert len(list((d / "ckpt").glob("*.safetensors"))) > 2
+    draft = _draft(target.config)
+    torch.save(draft.state_dict(), d / "draft.pt")
+    prompt = torch.randint(3, 512, (PROMPT_LEN,), generator=torch.Generator().manual_seed(3)).tolist()
+    torch.save(prompt, d / "prompt.pt")
+    ref = _run(target, draft, prompt)
+    ref |= _fp8_logits(copy.deepcopy(target), prompt)
+    ref["fp8_cut_logits"] = ref["fp8_logits"]
+    # the routing spreads tokens over every rank's experts, or expert parallelism would be untested
+    moe = target.model.layers[1].feed_forward
+    seen = []
+    hook = moe.register_forward_hook(lambda m, args, out: seen.append(m.route(args[0].reshape(-1, 64))[0]))
+    with torch.no_grad():
+        target(torch.tensor([prompt]))
+    hook.remove()
+    assert set(seen[0].tolist()) == {0, 1, 2, 3}
+    return d, target, ref
+
+
+def _spawn(d: Path, world: int, backend: str) -> list[dict]:
+    mp.start_processes(_worker, args=(world, str(d), backend), nprocs=world, start_method="spawn")
+    outs = [torch.load(d / f"rank{r}.pt") for r in range(world)]
+    for r in range(world):
+        (d / f"rank{r}.pt").unlink()
+    return outs
+
+
+def _check(single, world: int, backend: str = "gloo") -> list[dict]:
+    d, target, ref = single
+    outs = _spawn(d, world, backend)
+    for out in outs:
+        for key in ("logits", "cached_logits", "fp8_logits", "fp8_cut_logits"):
+            rel = (out[key] - ref[key]).abs().max() / ref[key].abs().max()
+            print(f"{world} ranks ({backend}): {key} max relative error {float(rel):.2e}")
+            assert rel < 1e-5, (world, key, float(rel))
+            assert not torch.equal(out[key], ref[key]) or world == 1  # the sums really ran in another order
+        assert out["plain"] == ref["plain"], world
+        assert out["chain"] == ref["chain"] == ref["plain"], world
+        assert out["tree"] == ref["tree"] == ref["plain"], world
+        assert out["bf16_chain"] == out["bf16_plain"], world
+        assert all(out["sum_row_invariant"]), (world, out["sum_row_invariant"])
+    # each rank read only its slices: 1/world of the sharded tensors plus the replicated ones (norms,
+    # routers), and kv heads twice as often where 4 ranks share 2 of them
+    cfg = target.config
+    plan = layout(cfg, Shard(0, world))
+    sd = target.state_dict()
+    nbytes = {k: v.numel() * v.element_size() for k, v in sd.items()}
+    total = sum(nbytes.values())
+    replicated = sum(nbytes[k] for k, s in plan.items() if s is None)
+    kv = sum(nbytes[k] for k in plan if k.endswith(("k_proj.weight", "v_proj.weight")))
+    kv_extra = kv // cfg.num_key_value_heads - kv // world if world > cfg.num_key_value_heads else 0
+    for out in outs:
+        assert out["bytes_in_files"] == total
+        assert out["bytes_read"] == (total - replicated) // world + replicated + kv_extra
+        assert out["model_bytes"] == out["bytes_read"]
+    print(
+        f"{world} ranks: bytes read per rank {outs[0]['bytes_read']:,} of {total:,} ({replicated:,} replicated)"
+    )
+    return outs
+
+
+def test_two_ranks_match_one_process(single):
+    outs = _check(single, 2)
+    assert outs[0]["bytes_read"] < 0.55 * outs[0]["bytes_in_files"]
+
+
+@pytest.mark.slow
+def test_four_ranks_match_one_process(single):
+    """4 ranks over 2 kv heads: each kv head replicated on two ranks; one expert per rank."""
+    _check(single, 4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (nccl: one GPU per rank)")
+def test_two_gpus_nccl_match_one_cpu_process(single):
+    """The nccl path: the same checks against the one CPU process (fp32, TF32 off by default)."""
+    _check(single, 2, "nccl")
+
+
+def test_head_ranges_and_layout():
+    mav = get_config("maverick-400b")
+    assert head_ranges(mav, Shard(3, 8)) == ((15, 20), (3, 4))  # 5 query heads, their one kv head
+    tiny = get_config("tiny-moe")  # 4 query heads, 2 kv heads
+    assert [head_ranges(tiny, Shard(r, 4)) for r in range(4)] == [
+        ((0, 1), (0, 1)),
+        ((1, 2), (0, 1)),
+        ((2, 3), (1, 2)),
+        ((3, 4), (1, 2)),
+    ]
+    plan = layout(mav, Shard(2, 8))
+    assert plan["model.layers.1.feed_forward.experts.gate_up_proj"] == (0, 32, 48)
+    assert plan["model.layers.0.self_attn.o_proj.weight"] == (1, 1280, 1920)
+    assert plan["model.layers.1.feed_forward.router.weight"] is None
+    with pytest.raises(ValueError, match="num_attention_heads=4 does not split over 3 ranks"):
+        layout(tiny, Shard(0, 3))
+
+
+# published text parameter totals (REFERENCE.md)
+TOTALS = {"maverick-400b": 400_711_848_960, "scout-109b": 107_769_861_120}
+
+
+@pytest.mark.parametrize("name", ["maverick-400b", "scout-109b"])
+def test_memory_report_at_eight_ranks(name):
+    cfg = get_config(name)
+    bf16, fp8 = memory_report(cfg, 8), memory_report(cfg, 8, fp8=True)
+    n = bf16["params_per_rank"]
+    assert n == params_per_rank_formula(cfg, 8) == fp8["params_per_rank"]
+    # the 8 ranks hold the model once plus 7 more copies of what is replicated (norms, routers; with 8 kv
+    # heads over 8 ranks no kv head is repeated)
+    H, L, E = cfg.hidden_size, cfg.num_hidden_layers, cfg.num_local_experts
+    replicated = (2 * L + 1) * H + len(cfg.moe_layers) * E * H
+    assert 8 * n - 7 * replicated == TOTALS[name]
+    assert bf16["weight_bytes"] == 2 * n
+    # FP8: the routed experts of the release's FP8 layers at one byte, plus an fp32 scale per output channel
+    E8, I = E // 8, cfg.intermediate_size
+    n_fp8 = len(fp8_expert_layers(cfg))
+    assert fp8["weight_bytes"] == 2 * n - n_fp8 * (E8 * 3 * H * I - E8 * (2 * I + H) * 4)
+    assert bf16["kv_cache_bytes"] == 2 * L * 1 * cfg.head_dim * 8192 * 2
+    if name == "maverick-400b":  # 50.1e9 parameters, 93.3 GiB in bf16: over an H100's 80 GB, under an H200
+        assert n == 50_103_178_240
+        assert 93 * 2**30 < bf16["weight_bytes"] < 94 * 2**30
+        assert 50 * 2**30 < fp8["weight_bytes"] < 51 * 2**30
+        assert fp8_expert_layers(cfg) == list(range(1, 46, 2))
+
+
+def test_report_cli(capsys):
+    parallel_main(["--report", "--configs", "maverick-400b"])
+    assert "50,103,178,240" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        parallel_main(["--configs", "tiny-moe", "--world", "3"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: num_attention_heads=4 does not split over 3 ranks"
+    ]
+
+
+@pytest.mark.slow
+def test_torchrun_generate_two_ranks(tmp_path):
+    """`torchrun --nproc-per-node 2 -m maverick.generate --target DIR` prints the one-process tokens' text."""
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(get_config("tiny-moe"), vocab_size=49152)  # the GGUF tokenizer's vocabulary
+    t = Llama4(cfg)
+    t.init_weights(std=0.1)
+    save_hf(t, tmp_path / "ckpt")
+    common = ["-m", "maverick.generate", "--target", str(tmp_path / "ckpt"), "--prompt", "Hello there"]
+    common += ["--tokenizer", str(default_gguf_path())]
+    common += ["--max-new-tokens", "8", "--dtype", "fp32"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    one = subprocess.run([sys.executable, *common], capture_output=True, text=True, timeout=300, env=env)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            "29517",
+            *common,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert two.returncode == 0, two.stderr
+    text = lambda s: s.strip().rsplit("\n", 1)  # noqa: E731  (streamed text, JSON stats)
+    assert text(two.stdout)[0] == text(one.stdout)[0]
+    assert '"ranks": 2' in two.stdout
+
+
+def test_sharded_load_reads_slices_in_process(tmp_path):
+    """Loading needs no process group: every rank of 4 gets exactly its slice of every tensor, and the
+    slices of the 4 ranks put back together are the whole checkpoint."""
+    target = _target()
+    save_hf(target, tmp_path / "ckpt", max_shard_bytes=300_000)
+    sd = target.state_dict()
+    got = [load_hf_sharded(tmp_path / "ckpt", Shard(r, 4))[0].state_dict() for r in range(4)]
+    plan = layout(target.config, Shard(0, 4))
+    for key, s in plan.items():
+        if s is None:
+            assert all(torch.equal(g[key], sd[key]) for g in got), key
+        elif key.endswith(("k_proj.weight", "v_proj.weight")):  # 2 kv heads over 4 ranks: pairs share one
+            assert torch.equal(torch.cat([got[0][key], got[2][key]], s[0]), sd[key]), key
+            assert torch.equal(got[0][key], got[1][key]) and torch.equal(got[2][key], got[3][key]), key
+        else:
+            assert torch.equal(torch.cat([g[key] for g in got], s[0]), sd[key]), key
+
+
+def test_sharded_load_errors_name_the_key(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from maverick.checkpoint import CheckpointError
+
+    target = _target()
+    save_hf(target, tmp_path / "ckpt")
+    f = tmp_path / "ckpt" / "model-00001-of-00001.safetensors"
+    sd = load_file(str(f))
+    key = "model.layers.1.feed_forward.experts.down_proj"
+    save_file({**sd, key: sd[key][:3]}, str(f), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"'{key}' has shape \\(3, 96, 64\\), expected \\(4, 96, 64\\)"):
+        load_hf_sharded(tmp_path / "ckpt", Shard(0, 2))
+    save_file({k: v for k, v in sd.items() if k != key}, str(f), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"missing key\\(s\\) \\['{key}'\\]"):
+        load_hf_sharded(tmp_path / "ckpt", Shard(0, 2))
