@@ -136,10 +136,25 @@ class Attention(nn.Module):
             o = tree_attention(q, k, v, ctx.tree, self.chunked)
         elif ctx.full_bias is not None:  # a short call on the exact path (Llama4.forward)
             o = exact_attention(q, k, v, ctx.chunk_bias if self.chunked else ctx.full_bias)
+        elif T == 1 and q.is_cuda and ctx.cache is not None:  # batched GPU decoding (train/fastgen.py)
+            o = grouped_decode_attention(q, k.to(q.dtype), v.to(q.dtype), mask)
         else:  # a cache may hold bf16 values in fp32 (exact decoding): the cast back is lossless
             k, v = k.to(q.dtype), v.to(q.dtype)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
         return o.transpose(1, 2).reshape(B, T, -1)
+
+
+def grouped_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """One query per row over a cache: q [B, Hq, 1, D], k/v [B, Hkv, S, D] (may be a strided slice of the
+    cache), mask [B, 1, 1, S] bool -> [B, Hq, 1, D]. The G = Hq // Hkv query heads of a kv head are the G rows
+    of one product, so the keys and values are read once; SDPA with a mask and GQA may take its math path
+    on CUDA, which repeats them per query head first (G times the memory traffic of the step's largest
+    read). Scores and softmax in fp32."""
+    B, Hq, _, D = q.shape
+    Hkv = k.shape[1]
+    scores = torch.matmul(q.view(B, Hkv, Hq // Hkv, D), k.transpose(-1, -2)).float() * D**-0.5  # [B, Hkv, G, S]
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
+    return torch.matmul(probs, v).view(B, Hq, 1, D)
 
 
 # NOTE (bit-exact speculative decoding): greedy speculative decoding must emit exactly the tokens of
