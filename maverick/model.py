@@ -152,7 +152,9 @@ def grouped_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> T
     read). Scores and softmax in fp32."""
     B, Hq, _, D = q.shape
     Hkv = k.shape[1]
-    scores = torch.matmul(q.view(B, Hkv, Hq // Hkv, D), k.transpose(-1, -2)).float() * D**-0.5  # [B, Hkv, G, S]
+    scores = (
+        torch.matmul(q.view(B, Hkv, Hq // Hkv, D), k.transpose(-1, -2)).float() * D**-0.5
+    )  # [B, Hkv, G, S]
     probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
     return torch.matmul(probs, v).view(B, Hq, 1, D)
 

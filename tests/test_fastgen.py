@@ -61,7 +61,9 @@ def generate(model, convs, **kw) -> tuple[dict, object]:
 def test_continuous_batching_equals_plain_decoding_per_conversation():
     model = tiny_model()
     convs = conversations(14)
-    got, stats = generate(model, convs, batch_size=4, max_len=96, max_new_tokens=12, slot_bucket=32, refill_min=2)
+    got, stats = generate(
+        model, convs, batch_size=4, max_len=96, max_new_tokens=12, slot_bucket=32, refill_min=2
+    )
     want = {c.id: reference(model, c, 12, 96) for c in convs}
     assert got == want
     # the test exercises what it claims: refills, early stops, several turns, some cut by max_new

@@ -56,7 +56,9 @@ class Buckets:
         return max(1, self.token_budget // T)
 
 
-def bucket_batches(lengths: Sequence[int], buckets: Buckets, seed: int, epoch: int) -> list[tuple[int, list[int]]]:
+def bucket_batches(
+    lengths: Sequence[int], buckets: Buckets, seed: int, epoch: int
+) -> list[tuple[int, list[int]]]:
     """One epoch's batches as (bucket length T, sample indices), a pure function of (lengths, seed, epoch):
     samples shuffled, grouped by bucket in that order, `buckets.rows(T)` per batch (a bucket's last batch may
     be short: `target_batch` fills it), the batches shuffled."""
@@ -65,7 +67,9 @@ def bucket_batches(lengths: Sequence[int], buckets: Buckets, seed: int, epoch: i
     for i in torch.randperm(len(lengths), generator=g).tolist():
         groups.setdefault(buckets.length(lengths[i]), []).append(i)
     batches = [
-        (T, idx[j : j + buckets.rows(T)]) for T, idx in sorted(groups.items()) for j in range(0, len(idx), buckets.rows(T))
+        (T, idx[j : j + buckets.rows(T)])
+        for T, idx in sorted(groups.items())
+        for j in range(0, len(idx), buckets.rows(T))
     ]
     return [batches[j] for j in torch.randperm(len(batches), generator=g).tolist()]
 
@@ -112,7 +116,9 @@ def dense_step_sums(
     target_top = batch.target_logits.argmax(-1)  # [B, T]
     B, T = target_top.shape
     ce_sums, correct, counts = [], [], []
-    unroll = ttt_unroll(draft, embed, batch.input_ids, batch.features, steps, batch.attention_valid, hidden=True)
+    unroll = ttt_unroll(
+        draft, embed, batch.input_ids, batch.features, steps, batch.attention_valid, hidden=True
+    )
     for i, h in unroll:
         n = T - 2 - i  # index t < n has a token x_{t+2+i} to predict
         valid = batch.loss_mask[:, 2 + i :].bool() & batch.target_in_vocab[:, 1 + i : T - 1]  # [B, n]

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from maverick.kv_cache import KVCache
 from maverick.model import Llama4
@@ -47,7 +46,9 @@ class Conversation:
 @dataclass
 class Answered:
     id: str
-    prompts: list[list[int]] = field(default_factory=list)  # the turns answered (a prefix of the conversation's)
+    prompts: list[list[int]] = field(
+        default_factory=list
+    )  # the turns answered (a prefix of the conversation's)
     answers: list[list[int]] = field(default_factory=list)
 
     def record(self) -> dict:
@@ -90,7 +91,9 @@ class FastGenerator:
         self.stop = np.array(sorted(set(stop_ids)), dtype=np.int64)
         self.slot_bucket = slot_bucket
         self.refill_min = refill_min or max(1, batch_size // 16)
-        self.prefill_rows = prefill_rows  # rows per prefill forward (its attention scores grow with rows x T^2)
+        self.prefill_rows = (
+            prefill_rows  # rows per prefill forward (its attention scores grow with rows x T^2)
+        )
         dev = model.device
         self.cache = model.new_cache(batch_size, max_len, exact=False)
         self.cache.slice_to_bound = False
