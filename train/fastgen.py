@@ -185,10 +185,11 @@ class FastGenerator:
         conversations: Iterable[Conversation],
         on_done: Callable[[Answered], None],
         deadline: float | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> GenStats:
         """Answer every conversation (on_done gets each finished one, in finishing order) or stop at
-        `deadline` (time.perf_counter() value): conversations still running then are dropped, not
-        reported (a rerun redoes them)."""
+        `deadline` (time.perf_counter() value) or when `stop()` (asked after each finished conversation)
+        says so: conversations still running then are dropped, not reported (a rerun redoes them)."""
         B, max_new, max_len = self.B, self.max_new, self.max_len
         stats = GenStats()
         t0 = time.perf_counter()
@@ -220,10 +221,14 @@ class FastGenerator:
                 return True
             return False
 
+        stopped = False
+
         def finish(r: int) -> None:
+            nonlocal stopped
             a = done_turns[r]
             stats.conversations += 1
             on_done(a)
+            stopped = stopped or (stop is not None and stop())
             conv[r] = done_turns[r] = None
             lengths[r] = 0
             self.cache.lengths[r] = 0
@@ -233,6 +238,8 @@ class FastGenerator:
                 break
         while True:
             if deadline is not None and time.perf_counter() >= deadline:
+                break
+            if stopped:
                 break
             if waiting and (len(waiting) >= self.refill_min or not decoding.any() or exhausted):
                 rows = sorted(waiting, key=lambda r: len(waiting[r]))  # similar lengths share a forward
