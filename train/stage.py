@@ -434,6 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="the target's dtype")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared CPU)")
     p.add_argument("--stop-after", choices=("regen", "train", "score"), default=None)
     g = p.add_argument_group("regeneration")
     g.add_argument(
@@ -454,9 +455,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--ttt-steps", type=int, default=5)
     t.add_argument("--decay", type=float, default=0.8)
     t.add_argument("--grad-clip", type=float, default=0.5)
-    t.add_argument("--token-budget", type=int, default=65536 if cuda else 2048, help="tokens per batch")
+    # the TTT attention keeps [rows, heads, T, T] fp32 scores per unroll step for the backward: ~1.8 GB per
+    # step at 32k tokens in buckets of 1536, so the budget is tokens, not rows
+    t.add_argument("--token-budget", type=int, default=32768 if cuda else 2048, help="tokens per batch")
     t.add_argument("--bucket", type=int, default=256)
-    t.add_argument("--max-length", type=int, default=2048, help="tokens per training sample")
+    t.add_argument("--max-length", type=int, default=1536, help="tokens per training sample")
     t.add_argument("--precision", choices=("bf16", "fp32"), default="bf16" if cuda else "fp32")
     t.add_argument("--compile", action="store_true", help="torch.compile the TTT step (one graph per bucket)")
     t.add_argument("--max-steps", type=int, default=None)
@@ -473,6 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> dict:
     t0 = time.perf_counter()
     args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     try:
         if args.init_draft:
             draft_dir(Path(args.init_draft))
