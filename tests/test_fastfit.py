@@ -1,6 +1,7 @@
 """train.fastfit: bucketed fixed-shape batches (with filler rows) give the loss and gradients of the same
 samples right-padded into one batch (train.fit's reference path), in fp32."""
 
+import pytest
 import torch
 
 import train.dump as dump
@@ -79,3 +80,31 @@ def test_bucket_lengths_and_rows():
     lengths = [10, 300, 700, 20, 900, 260]
     assert bucket_batches(lengths, b, 1, 0) == bucket_batches(lengths, b, 1, 0)
     assert bucket_batches(lengths, b, 1, 0) != bucket_batches(lengths, b, 1, 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_fields_and_compiled_step_match():
+    """On the GPU: the target's fields (fused causal attention for long batches) match the CPU's, and the
+    compiled TTT step gives the eager step's sums and gradients (fp32)."""
+    model, samples, draft = setup()
+    w = model.model.embed_tokens.weight.detach()
+    lm_rows = w[draft.draft_to_target_ids].float()
+    cpu = target_batch(model, samples[:4], 96, 4, LAYERS, lm_rows, draft.t2d)
+    model, draft = model.cuda(), draft.cuda()
+    wc = w.cuda()
+    gpu = target_batch(model, samples[:4], 96, 4, LAYERS, lm_rows.cuda(), draft.t2d.cuda())
+    torch.testing.assert_close(gpu.features.cpu(), cpu.features, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gpu.target_logits.cpu(), cpu.target_logits, rtol=1e-4, atol=1e-3)
+    embed = lambda ids: torch.nn.functional.embedding(ids, wc)  # noqa: E731
+    eager = dense_step_sums(draft, embed, gpu, STEPS)
+    weighted_loss(eager[0], eager[2], 0.8).backward()
+    want = {k: p.grad.clone() for k, p in draft.named_parameters()}
+    draft.zero_grad()
+    step = torch.compile(lambda b: dense_step_sums(draft, embed, b, STEPS), dynamic=False)
+    got = step(gpu)
+    weighted_loss(got[0], got[2], 0.8).backward()
+    for a, b in zip(got, eager):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for k, p in draft.named_parameters():
+        torch.testing.assert_close(p.grad, want[k], rtol=1e-3, atol=1e-5, msg=k)

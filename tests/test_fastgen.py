@@ -121,3 +121,24 @@ def test_cuda_graph_replays_equal_the_eager_step():
     model32 = tiny_model(torch.float32, "cuda")
     got, _ = generate(model32, convs[:10], graphs=True, **kw)
     assert got == {c.id: reference(model32, c, 16, 128) for c in convs[:10]}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_triton_decode_attention_reads_each_rows_keys_only():
+    from maverick.decode_attention import kernel_ok, triton_decode_attention
+    from maverick.model import grouped_decode_attention
+
+    assert kernel_ok("cuda:0", torch.bfloat16, 9, 3, 64)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, S = 64, 700
+    q = torch.randn(B, 9, 1, 64, device="cuda", generator=g).bfloat16()
+    kc, vc = (torch.randn(B, 3, S + 100, 64, device="cuda", generator=g).bfloat16() for _ in range(2))
+    n = torch.randint(1, S + 1, (B,), device="cuda", generator=g)
+    mask = (torch.arange(S, device="cuda")[None] < n[:, None])[:, None, None]
+    want = grouped_decode_attention(q, kc[:, :, :S], vc[:, :, :S], mask).float()
+    beyond = (torch.arange(S + 100, device="cuda")[None] >= n[:, None])[:, None, :, None]
+    kc.masked_fill_(beyond, float("nan"))  # slots past a row's keys are never read
+    vc.masked_fill_(beyond, float("nan"))
+    got = triton_decode_attention(q, kc, vc, n).float()
+    assert (got - want).abs().max() < 2e-2
