@@ -31,6 +31,7 @@ def make_data(root):
         )
     recs += [{"id": f"h{i}", "split": "heldout", "prompts": [ids(12)]} for i in range(3)]
     recs += [{"id": f"old{i}", "prompts": [ids(10)], "answers": [ids(9) + [2]]} for i in range(2)]
+    recs[-1]["more"] = [ids(6)]  # a later user turn: the stage continues this chat after its answer
     answers.write(root / "data.jsonl.xz", recs)
     return root / "target", root / "data.jsonl.xz"
 
@@ -50,7 +51,7 @@ def test_stage_runs_resumes_and_chains(tmp_path):
     s = run(target, data, out, "--stop-after", "regen", "--max-conversations", "7")
     assert set(s["phases"]) == {"regen"} and s["phases"]["regen"]["conversations"] == 7
     first = answers.read_records(out / ANSWERS)
-    assert len(first) == 7 and not {r["id"] for r in first} & {"old0", "old1", "h0", "h1", "h2"}
+    assert len(first) == 7 and not {r["id"] for r in first} & {"old0", "h0", "h1", "h2"}
     # a write cut off half-way by a kill: dropped on the rerun, nothing complete lost
     blob = lzma.compress(b'{"id": "t99"}\n', format=lzma.FORMAT_XZ)
     (out / ANSWERS).write_bytes((out / ANSWERS).read_bytes() + blob[:20])
@@ -59,7 +60,11 @@ def test_stage_runs_resumes_and_chains(tmp_path):
     assert s["phases"]["regen"]["conversations"] == 7  # not regenerated again
     assert answers.read_records(out / ANSWERS) == first
     tr = s["phases"]["train"]
-    assert tr["samples"] == 9 and tr["steps"] == 6 and tr["tokens"] > 0  # this stage's 7 + 2 earlier answers
+    assert (
+        tr["samples"] == len({r["id"] for r in first} | {"old0", "old1"})
+        and tr["steps"] == 6
+        and tr["tokens"] > 0
+    )
     assert (out / "draft" / "model.safetensors").is_file() and (out / "curve.png").is_file()
     assert not (out / "train_state.pt").exists()
     log = (out / "train_log.jsonl").read_text()
@@ -78,7 +83,10 @@ def test_stage_runs_resumes_and_chains(tmp_path):
     s = run(target, data, out2, "--init-draft", str(out), "--max-conversations", "3")
     new = answers.read_records(out2 / ANSWERS)
     assert len(new) == 3 and not {r["id"] for r in new} & {r["id"] for r in first}
-    assert s["phases"]["train"]["samples"] == 12 and s["phases"]["train"]["init_draft"] == str(out / "draft")
+    ids = {r["id"] for r in first + new} | {"old0", "old1"}
+    assert s["phases"]["train"]["samples"] == len(ids) and s["phases"]["train"]["init_draft"] == str(
+        out / "draft"
+    )
     assert set(s["phases"]["score"]["drafts"]) == {"init", "new"}
 
 
@@ -113,3 +121,14 @@ def test_stage_data_segments_rebuild_the_rendered_chat():
     assert rec["answers"][0][-1] == tok.eos_token_id
     prompts_only = conversation_record(tok, {"id": "x", "messages": msgs}, with_answers=False)
     assert prompts_only["prompts"] == rec["prompts"] and "answers" not in prompts_only
+
+
+def test_stage_continues_answered_chats_after_their_answers(tmp_path):
+    torch.set_num_threads(1)
+    target, data = make_data(tmp_path)
+    s = run(target, data, tmp_path / "o", "--stop-after", "regen")
+    got = {r["id"]: r for r in answers.read_records(tmp_path / "o" / ANSWERS)}
+    assert s["phases"]["regen"]["conversations"] == 13 and "old0" not in got  # 12 new + old1 continued
+    old1 = next(r for r in answers.read_records(data) if r["id"] == "old1")
+    assert got["old1"]["prompts"] == old1["prompts"] + old1["more"]
+    assert got["old1"]["answers"][0] == old1["answers"][0] and len(got["old1"]["answers"]) == 2

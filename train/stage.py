@@ -136,11 +136,12 @@ class Stage:
         a, path = self.args, self.out / ANSWERS
         dropped = answer_file.repair(path)
         here = answer_file.read_records(path)  # written by an interrupted earlier run of this stage
-        done = {r["id"] for r in here} | {r["id"] for r in self.earlier}
-        todo = [
-            r for r in self.data if "answers" not in r and r.get("split") != "heldout" and r["id"] not in done
-        ]
+        done = {r["id"] for r in here} | {r["id"] for r in self.earlier if "more" not in r}
+        todo = [r for r in self.data if r.get("split") != "heldout" and r["id"] not in done
+                and ("answers" not in r or r.get("more"))]  # fmt: skip
         random.Random(a.seed).shuffle(todo)  # any prefix answered samples every length
+        # an answered chat with later user turns continues after its answers: its first prompt is all of it
+        cont = {r["id"]: r for r in todo if "answers" in r}
         if a.max_conversations is not None:
             todo = todo[: max(0, a.max_conversations - len(here))]
         deadline = self.t0 + a.regen_share * self.budget
@@ -156,7 +157,12 @@ class Stage:
             last_flush[0] = time.perf_counter()
 
         def on_done(ans) -> None:
-            pending.append(ans.record())
+            rec = ans.record()
+            old = cont.get(rec["id"])
+            if old is not None:  # the earlier turns, then the new ones
+                rec = {"id": old["id"], "prompts": old["prompts"] + old["more"][: len(rec["answers"])],
+                       "answers": old["answers"] + rec["answers"]}  # fmt: skip
+            pending.append(rec)
             if len(pending) >= a.flush_every or time.perf_counter() - last_flush[0] > 30:
                 flush()
 
@@ -171,7 +177,7 @@ class Stage:
             self.eos,
             graphs=None if a.graphs else False,
         )
-        convs = (Conversation(r["id"], r["prompts"]) for r in todo)
+        convs = (Conversation(r["id"], _continued(r) if r["id"] in cont else r["prompts"]) for r in todo)
         stats = gen.run(convs, on_done, deadline=deadline, stop=stop)
         flush()
         self.state["phases"]["regen"] = {
@@ -407,6 +413,12 @@ class Stage:
         self.state["out_bytes"] = sum(f.stat().st_size for f in self.out.rglob("*") if f.is_file())
         self.save_state()
         return self.state
+
+
+def _continued(rec: dict) -> list[list[int]]:
+    """The prompts that continue an answered record with its later user turns ("more")."""
+    flat = answer_file.sample(rec)["input_ids"]
+    return [flat + rec["more"][0]] + rec["more"][1:]
 
 
 def load_draft_like(draft: Eagle3Draft) -> Eagle3Draft:

