@@ -103,8 +103,16 @@ class FastGenerator:
         self._buckets = list(range(slot_bucket, max_len, slot_bucket)) + [max_len]
         self._views = {n: self.cache.prefix_view(n) for n in self._buckets}
         self._captured: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_error: str | None = None
         if self.graphs:
-            self._capture_all()
+            try:
+                self._capture_all()
+            except Exception as exc:  # keep generating, eagerly, rather than lose a lent GPU's minutes
+                torch.cuda.synchronize()
+                self.graphs, self._captured = False, {}
+                self.graph_error = f"{type(exc).__name__}: {exc}"
+                self.cache.lengths.zero_()
+                print(f"CUDA graph capture failed, decoding eagerly: {self.graph_error}", flush=True)
 
     # ---- the decode step ----
     def _step(self, view: KVCache) -> None:

@@ -193,6 +193,7 @@ class Stage:
             "left": len(todo) - written[0] - stats.skipped,
             "batch_size": a.batch_size,
             "cuda_graphs": gen.graphs,
+            "cuda_graph_error": gen.graph_error,
             "cut_off_bytes_dropped": dropped,
         }
         self.save_state()
@@ -405,7 +406,19 @@ class Stage:
                 print(f"{name}: done in an earlier run", flush=True)
                 continue
             t = time.perf_counter()
-            fn()
+            try:
+                fn()
+            except StageError:
+                raise
+            except Exception as exc:  # a failed phase must not take the later ones with it
+                import traceback
+
+                traceback.print_exc()
+                if name == "train":  # nothing to score without a new draft
+                    raise
+                # regeneration: train on what was written and the earlier answers; a rerun does not retry
+                ph[name] = {"error": f"{type(exc).__name__}: {exc}"}
+                self.save_state()
             print(f"{name}: {json.dumps(ph[name])} ({time.perf_counter() - t:.0f} s)", flush=True)
             if a.stop_after == name:
                 break
