@@ -104,9 +104,12 @@ class FastGenerator:
         self._views = {n: self.cache.prefix_view(n) for n in self._buckets}
         self._captured: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_error: str | None = None
+        self.capture_seconds = 0.0
         if self.graphs:
+            t = time.perf_counter()
             try:
                 self._capture_all()
+                self.capture_seconds = time.perf_counter() - t
             except Exception as exc:  # keep generating, eagerly, rather than lose a lent GPU's minutes
                 torch.cuda.synchronize()
                 self.graphs, self._captured = False, {}
