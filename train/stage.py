@@ -37,6 +37,7 @@ import random
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -150,8 +151,13 @@ class Stage:
         last_flush = [time.perf_counter()]
         written = [0]
 
+        # compressing a flush takes ~1 s of CPU: a writer thread does it (lzma releases the GIL) while the
+        # decoding goes on; one worker keeps the streams in order
+        writer = ThreadPoolExecutor(max_workers=1)
+        writes = []
+
         def flush() -> None:
-            answer_file.append(path, pending)
+            writes.append(writer.submit(answer_file.append, path, list(pending)))
             written[0] += len(pending)
             pending.clear()
             last_flush[0] = time.perf_counter()
@@ -180,6 +186,9 @@ class Stage:
         convs = (Conversation(r["id"], _continued(r) if r["id"] in cont else r["prompts"]) for r in todo)
         stats = gen.run(convs, on_done, deadline=deadline, stop=stop)
         flush()
+        writer.shutdown(wait=True)
+        for w in writes:
+            w.result()  # a failed write is an error, not a silent loss
         graphs, graph_error, capture = gen.graphs, gen.graph_error, gen.capture_seconds
         del gen  # its cache and graphs: the training's memory
         if self.device.type == "cuda":
