@@ -132,3 +132,31 @@ def test_stage_continues_answered_chats_after_their_answers(tmp_path):
     old1 = next(r for r in answers.read_records(data) if r["id"] == "old1")
     assert got["old1"]["prompts"] == old1["prompts"] + old1["more"]
     assert got["old1"]["answers"][0] == old1["answers"][0] and len(got["old1"]["answers"]) == 2
+
+
+def test_interrupted_training_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    import train.stage as stage
+
+    torch.set_num_threads(1)
+    target, data = make_data(tmp_path)
+    out = tmp_path / "o"
+    real, calls = stage.dense_step_sums, []
+
+    def crash_on_fifth(*a, **kw):
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("killed")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(stage, "dense_step_sums", crash_on_fifth)
+    with pytest.raises(RuntimeError, match="killed"):
+        run(target, data, out, "--checkpoint-seconds", "0", "--max-conversations", "5")
+    assert (out / "train_state.pt").is_file() and set(
+        json.loads((out / "stage.json").read_text())["phases"]
+    ) == {"regen"}
+    monkeypatch.setattr(stage, "dense_step_sums", real)
+    s = run(target, data, out, "--checkpoint-seconds", "0")
+    tr = s["phases"]["train"]
+    assert (tr["steps"], tr["steps_this_run"]) == (6, 2) and s["phases"]["regen"]["conversations"] == 5
+    assert [json.loads(x)["step"] for x in (out / "train_log.jsonl").read_text().splitlines()] == [2, 4, 6]
+    assert not (out / "train_state.pt").exists()

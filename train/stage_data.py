@@ -164,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "answered": sum(1 for r in records if "answers" in r),
         "answered_with_more_turns": sum(1 for r in records if "more" in r),
         "heldout": n_held,
-        "user_turns": sum(len(r["prompts"]) for r in records if "split" not in r),
+        "user_turns": sum(len(r["prompts"]) + len(r.get("more", [])) for r in records if "split" not in r),
         "prompt_tokens": sum(len(p) for r in records for p in r["prompts"]),
     }
     print(json.dumps(summary))
