@@ -128,6 +128,17 @@ class KVCache(nn.Module):
         if self.slice_to_bound:
             self.bound = int(self.lengths.max()) if len(rows) else 0
 
+    def prefix_view(self, n_slots: int) -> KVCache:
+        """A cache over this one's first n_slots slots, sharing its storage and its `lengths` tensor, in the
+        fixed-shape mode: a batched decode step whose rows all hold fewer than n_slots tokens attends over
+        n_slots keys instead of max_len (train/fastgen.py captures one such step per slot bucket)."""
+        view = KVCache.__new__(KVCache)
+        nn.Module.__init__(view)
+        view.k, view.v, view.lengths = self.k[..., :n_slots, :], self.v[..., :n_slots, :], self.lengths
+        view.max_len, view.bound, view.slice_to_bound, view.window = n_slots, 0, False, None
+        view.exact = self.exact
+        return view
+
     def compact(self, start: Tensor, keep_idx: Tensor, n_keep: Tensor) -> None:
         """Keep accepted tree nodes: slot start+keep_idx[b, j] -> start+j for j < n_keep[b].
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from maverick.config import Llama4Config
+from maverick.decode_attention import decode_attention
 from maverick.kv_cache import KVCache, attention_mask
 from maverick.linear import Linear, fused_linear, short_linear
 
@@ -134,12 +135,33 @@ class Attention(nn.Module):
         mask = ctx.chunk_mask if self.chunked else ctx.full_mask
         if ctx.tree is not None:
             o = tree_attention(q, k, v, ctx.tree, self.chunked)
+        elif ctx.causal and q.is_cuda and not self.chunked:  # no cache, plain causal: the fused causal kernel
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv)
         elif ctx.full_bias is not None:  # a short call on the exact path (Llama4.forward)
             o = exact_attention(q, k, v, ctx.chunk_bias if self.chunked else ctx.full_bias)
+        elif T == 1 and q.is_cuda and ctx.cache is not None:  # batched GPU decoding (train/fastgen.py)
+            # row b sees slots 0..lengths[b] (its prefix and the token just written) unless chunked
+            n_valid = None if self.chunked else ctx.cache.lengths + 1
+            o = decode_attention(q, k.to(q.dtype), v.to(q.dtype), mask, n_valid)
         else:  # a cache may hold bf16 values in fp32 (exact decoding): the cast back is lossless
             k, v = k.to(q.dtype), v.to(q.dtype)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
         return o.transpose(1, 2).reshape(B, T, -1)
+
+
+def grouped_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """One query per row over a cache: q [B, Hq, 1, D], k/v [B, Hkv, S, D] (may be a strided slice of the
+    cache), mask [B, 1, 1, S] bool -> [B, Hq, 1, D]. The G = Hq // Hkv query heads of a kv head are the G rows
+    of one product, so the keys and values are read once; SDPA with a mask and GQA may take its math path
+    on CUDA, which repeats them per query head first (G times the memory traffic of the step's largest
+    read). Scores and softmax in fp32."""
+    B, Hq, _, D = q.shape
+    Hkv = k.shape[1]
+    scores = (
+        torch.matmul(q.view(B, Hkv, Hq // Hkv, D), k.transpose(-1, -2)).float() * D**-0.5
+    )  # [B, Hkv, G, S]
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
+    return torch.matmul(probs, v).view(B, Hq, 1, D)
 
 
 # NOTE (bit-exact speculative decoding): greedy speculative decoding must emit exactly the tokens of
@@ -446,6 +468,7 @@ class _Ctx:
     kv_len: int
     write_index: tuple[Tensor, Tensor] | None  # cache.write_index(T)
     flat: bool = False  # every layer runs DecoderLayer.forward_flat
+    causal: bool = False  # no cache, no tree, default positions: the mask is the plain causal one
 
 
 @dataclass
@@ -525,6 +548,7 @@ class Llama4(nn.Module):
         B, T = tokens.shape
         cfg = self.config
         start = cache.lengths if cache is not None else None
+        causal = cache is None and tree_mask is None and positions is None and T > EXACT_ATTENTION_MAX_T
         if positions is None:
             base = start[:, None] if start is not None else 0
             positions = base + torch.arange(T, device=tokens.device)[None, :].expand(B, T)
@@ -545,6 +569,7 @@ class Llama4(nn.Module):
             cfg.attention_chunk_size, cache, kv_len, cache.write_index(T) if cache is not None else None,
         )  # fmt: skip
 
+        ctx.causal = causal
         x = self.model.embed_tokens(tokens) if inputs_embeds is None else inputs_embeds
         ctx.flat = (
             cache is not None and exact

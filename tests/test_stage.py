@@ -1,0 +1,162 @@
+"""train.stage end to end on a tiny random target: regenerate, train, score, write; a rerun resumes without
+redoing or losing anything; a next stage continues from the previous one. train.stage_data's id segments
+rebuild the rendered chat with the real tokenizer."""
+
+import json
+import lzma
+
+import pytest
+import torch
+
+from maverick.checkpoint import save_hf
+from maverick.config import get_config
+from maverick.model import Llama4
+from train import answers
+from train.stage import ANSWERS, main
+
+
+def make_data(root):
+    model = Llama4(get_config("tiny-dense"))
+    model.init_weights(std=0.15, generator=torch.Generator().manual_seed(0))
+    save_hf(model.eval(), root / "target")
+    g = torch.Generator().manual_seed(1)
+    ids = lambda n: torch.randint(8, 512, (n,), generator=g).tolist()  # noqa: E731
+    recs = []
+    for i in range(12):
+        recs.append(
+            {
+                "id": f"t{i}",
+                "prompts": [ids(int(torch.randint(4, 20, (1,), generator=g))) for _ in range(1 + i % 3)],
+            }
+        )
+    recs += [{"id": f"h{i}", "split": "heldout", "prompts": [ids(12)]} for i in range(3)]
+    recs += [{"id": f"old{i}", "prompts": [ids(10)], "answers": [ids(9) + [2]]} for i in range(2)]
+    recs[-1]["more"] = [ids(6)]  # a later user turn: the stage continues this chat after its answer
+    answers.write(root / "data.jsonl.xz", recs)
+    return root / "target", root / "data.jsonl.xz"
+
+
+def run(target, data, out, *extra):
+    common = ["--minutes", "5", "--target", str(target), "--data", str(data), "--out", str(out), "--device", "cpu",
+              "--dtype", "fp32", "--batch-size", "4", "--max-len", "96", "--max-new-tokens", "8",
+              "--token-budget", "128", "--bucket", "32", "--max-length", "96", "--max-steps", "6", "--log-every", "2",
+              "--heldout", "3", "--score-new-tokens", "12", "--ttt-steps", "3", "--draft-vocab-size", "128"]  # fmt: skip
+    return main(common + list(extra))
+
+
+def test_stage_runs_resumes_and_chains(tmp_path):
+    torch.set_num_threads(1)
+    target, data = make_data(tmp_path)
+    out = tmp_path / "s1"
+    s = run(target, data, out, "--stop-after", "regen", "--max-conversations", "7")
+    assert set(s["phases"]) == {"regen"} and s["phases"]["regen"]["conversations"] == 7
+    first = answers.read_records(out / ANSWERS)
+    assert len(first) == 7 and not {r["id"] for r in first} & {"old0", "h0", "h1", "h2"}
+    # a write cut off half-way by a kill: dropped on the rerun, nothing complete lost
+    blob = lzma.compress(b'{"id": "t99"}\n', format=lzma.FORMAT_XZ)
+    (out / ANSWERS).write_bytes((out / ANSWERS).read_bytes() + blob[:20])
+
+    s = run(target, data, out)
+    assert s["phases"]["regen"]["conversations"] == 7  # not regenerated again
+    assert answers.read_records(out / ANSWERS) == first
+    tr = s["phases"]["train"]
+    assert (
+        tr["samples"] == len({r["id"] for r in first} | {"old0", "old1"})
+        and tr["steps"] == 6
+        and tr["tokens"] > 0
+    )
+    assert (out / "draft" / "model.safetensors").is_file() and (out / "curve.png").is_file()
+    assert not (out / "train_state.pt").exists()
+    log = (out / "train_log.jsonl").read_text()
+    assert [json.loads(x)["step"] for x in log.splitlines()] == [2, 4, 6]
+    sc = s["phases"]["score"]
+    assert sc["heldout"] == 3 and set(sc["drafts"]) == {"new"} and len(sc["drafts"]["new"]["p_run_ge"]) == 3
+    assert s["out_bytes"] < 64 * 2**20
+
+    # rerun: nothing redone
+    s3 = run(target, data, out)
+    assert s3["phases"] == json.loads(json.dumps(s["phases"])) and s3["runs"] == 3
+    assert (out / "train_log.jsonl").read_text() == log
+
+    # the next stage: the previous draft and answers, new conversations only
+    out2 = tmp_path / "s2"
+    s = run(target, data, out2, "--init-draft", str(out), "--max-conversations", "3")
+    new = answers.read_records(out2 / ANSWERS)
+    assert len(new) == 3 and not {r["id"] for r in new} & {r["id"] for r in first}
+    ids = {r["id"] for r in first + new} | {"old0", "old1"}
+    assert s["phases"]["train"]["samples"] == len(ids) and s["phases"]["train"]["init_draft"] == str(
+        out / "draft"
+    )
+    assert set(s["phases"]["score"]["drafts"]) == {"init", "new"}
+
+
+def test_stage_errors_name_the_path(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(
+            [
+                "--minutes",
+                "1",
+                "--out",
+                str(tmp_path / "o"),
+                "--data",
+                str(tmp_path / "none.xz"),
+                "--device",
+                "cpu",
+            ]
+        )
+    assert e.value.code == 2 and "none.xz" in capsys.readouterr().err
+
+
+def test_stage_data_segments_rebuild_the_rendered_chat():
+    from maverick.tokenizer import encode_chat, load_tokenizer
+    from train.stage_data import conversation_record
+
+    tok = load_tokenizer()
+    msgs = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I help?"},
+            {"role": "user", "content": "Name a prime."}, {"role": "assistant", "content": "7"}]  # fmt: skip
+    rec = conversation_record(tok, {"id": "x", "messages": msgs}, with_answers=True)
+    flat = answers.sample(rec)["input_ids"]
+    whole = encode_chat(tok, msgs, add_generation_prompt=False)
+    assert flat == whole[: len(flat)] and len(whole) - len(flat) <= 1  # the template's trailing newline
+    assert rec["answers"][0][-1] == tok.eos_token_id
+    prompts_only = conversation_record(tok, {"id": "x", "messages": msgs}, with_answers=False)
+    assert prompts_only["prompts"] == rec["prompts"] and "answers" not in prompts_only
+
+
+def test_stage_continues_answered_chats_after_their_answers(tmp_path):
+    torch.set_num_threads(1)
+    target, data = make_data(tmp_path)
+    s = run(target, data, tmp_path / "o", "--stop-after", "regen")
+    got = {r["id"]: r for r in answers.read_records(tmp_path / "o" / ANSWERS)}
+    assert s["phases"]["regen"]["conversations"] == 13 and "old0" not in got  # 12 new + old1 continued
+    old1 = next(r for r in answers.read_records(data) if r["id"] == "old1")
+    assert got["old1"]["prompts"] == old1["prompts"] + old1["more"]
+    assert got["old1"]["answers"][0] == old1["answers"][0] and len(got["old1"]["answers"]) == 2
+
+
+def test_interrupted_training_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    import train.stage as stage
+
+    torch.set_num_threads(1)
+    target, data = make_data(tmp_path)
+    out = tmp_path / "o"
+    real, calls = stage.dense_step_sums, []
+
+    def crash_on_fifth(*a, **kw):
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("killed")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(stage, "dense_step_sums", crash_on_fifth)
+    with pytest.raises(RuntimeError, match="killed"):
+        run(target, data, out, "--checkpoint-seconds", "0", "--max-conversations", "5")
+    assert (out / "train_state.pt").is_file() and set(
+        json.loads((out / "stage.json").read_text())["phases"]
+    ) == {"regen"}
+    monkeypatch.setattr(stage, "dense_step_sums", real)
+    s = run(target, data, out, "--checkpoint-seconds", "0")
+    tr = s["phases"]["train"]
+    assert (tr["steps"], tr["steps_this_run"]) == (6, 2) and s["phases"]["regen"]["conversations"] == 5
+    assert [json.loads(x)["step"] for x in (out / "train_log.jsonl").read_text().splitlines()] == [2, 4, 6]
+    assert not (out / "train_state.pt").exists()

@@ -1,0 +1,109 @@
+"""Token-id conversations in resumable xz-compressed JSONL: what train/fastgen.py writes and train/stage.py reads.
+
+A record is {"id", "prompts": [[int]], "answers": [[int]]}: prompts[k] are the ids that precede answer k
+(the first the whole chat prompt of the first user turn, each later one the next user turn's segment of the
+chat template, which starts right after the previous answer's end-of-turn token), answers[k] the target's
+greedy answer, its stop token included. The sample a draft trains on is prompts[0] + answers[0] +
+prompts[1] + answers[1] + ..., with the loss on the answers. A prompt record (the input of a regeneration)
+has no "answers".
+
+Why ids and not text: the target continues its own tokens turn after turn (a serving engine keeps its
+cache, it does not re-tokenize its answer), and no tokenizer is needed where the ids are used (a GPU machine
+without the GGUF tokenizer's dependencies).
+
+Resumable: each `append` writes its records as one complete xz stream at the end of the file and fsyncs
+it; an xz file may hold several streams one after another (`xz -dc` reads them all). A run killed mid-write
+leaves at most a cut-off last stream, which `read_records` drops (and `repair` cuts off, through a temporary
+file and a rename), so nothing complete is lost and a rerun redoes only what was not written.
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+
+def _streams(data: bytes) -> tuple[list[bytes], int]:
+    """(the decompressed complete streams, the byte length they span); a cut-off last stream is left out."""
+    out, pos = [], 0
+    while pos < len(data):
+        dec = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
+        try:
+            text = dec.decompress(data[pos:])
+        except lzma.LZMAError:
+            break
+        if not dec.eof:  # the stream ends before its footer: an interrupted write
+            break
+        out.append(text)
+        pos = len(data) - len(dec.unused_data)
+        while pos < len(data) and data[pos] == 0:  # xz stream padding
+            pos += 1
+    return out, pos
+
+
+def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every record of the complete streams of `path` ([] if it does not exist); plain (.jsonl) files too."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    if not path.name.endswith(".xz"):
+        texts = [data[: data.rfind(b"\n") + 1]]
+    else:
+        texts, _ = _streams(data)
+    return [json.loads(line) for t in texts for line in t.decode().splitlines() if line.strip()]
+
+
+def repair(path: str | os.PathLike) -> int:
+    """Cut a cut-off last stream off `path` (temporary file, rename); returns the bytes dropped."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    data = path.read_bytes()
+    _, end = _streams(data)
+    if end == len(data):
+        return 0
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data[:end])
+    os.replace(tmp, path)
+    return len(data) - end
+
+
+def append(path: str | os.PathLike, records: Iterable[Mapping[str, Any]], preset: int = 6) -> int:
+    """Append `records` as one xz stream, flushed to disk; returns the bytes written (0 for no records)."""
+    lines = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records)
+    if not lines:
+        return 0
+    blob = lzma.compress(lines.encode(), format=lzma.FORMAT_XZ, preset=preset)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "ab") as f:
+        f.write(blob)
+        f.flush()
+        os.fsync(f.fileno())
+    return len(blob)
+
+
+def write(path: str | os.PathLike, records: Iterable[Mapping[str, Any]], preset: int = 6) -> None:
+    """Write a whole file (one stream) under a temporary name, then rename it into place."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    append(tmp, records, preset)
+    if not tmp.exists():
+        tmp.write_bytes(b"")
+    os.replace(tmp, path)
+
+
+def sample(record: Mapping[str, Any]) -> dict[str, list[int]]:
+    """The training sample of an answered record: {"input_ids", "loss_mask"} (1 on answer tokens)."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for p, a in zip(record["prompts"], record["answers"]):
+        ids += p + a
+        mask += [0] * len(p) + [1] * len(a)
+    return {"input_ids": ids, "loss_mask": mask}

