@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from eagle3.draft import Eagle3Draft, load_draft
+from maverick.cli import run_cli
 from maverick.generate import Decoder
 from maverick.model import Llama4
 from train.dump import run_target
@@ -263,4 +264,4 @@ def _cat(details: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

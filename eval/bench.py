@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eagle3.datastore import Datastore
+from eagle3.datastore import Datastore, beside_draft
 from eagle3.draft import load_draft
 from eagle3.lookup import LookupConfig
 from eagle3.sampling import SamplingParams
@@ -54,6 +54,7 @@ from eval.report import (
     variant,
     write_report,
 )
+from maverick.cli import run_cli
 from maverick.generate import Decoder
 from maverick.gguf_model import load_gguf_model
 from maverick.tokenizer import default_gguf_path, encode_chat, load_tokenizer
@@ -167,9 +168,9 @@ def build_decoder(name: str, target, draft, max_len: int, args) -> Decoder | Spe
 
 
 def datastore_path(args) -> Path:
-    """--datastore, or the datastore.safetensors shipped beside the draft."""
+    """--datastore, or the one shipped beside the draft directory (<draft>.datastore.safetensors)."""
     path = getattr(args, "datastore", None)
-    return Path(path) if path else Path(getattr(args, "draft", DEFAULT_DRAFT)) / "datastore.safetensors"
+    return Path(path) if path else beside_draft(getattr(args, "draft", DEFAULT_DRAFT))
 
 
 class Runner:
@@ -244,8 +245,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gguf", default=None, help="target GGUF (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT), help="EAGLE-3 draft directory")
     ap.add_argument("--datastore", default=None,
-                    help="datastore for methods named <method>+lookup+store (default: datastore.safetensors in "
-                         "the draft directory; build one with python -m train.datastore)")  # fmt: skip
+                    help="datastore for methods named <method>+lookup+store (default: <draft dir>.datastore.safetensors "
+                         "beside the draft directory; build one with python -m train.datastore)")  # fmt: skip
     # the tree that did best with prompt lookup on this 2-core CPU (of 3/3/8, 3/4/12, 4/3/10, 4/4/14, 5/2/10,
     # 5/6/24: MT-bench, 3 questions); GPUs, where verifying more nodes costs next to nothing, take bigger ones
     ap.add_argument("--tree-depth", type=int, default=3)
@@ -418,4 +419,4 @@ def _jsonable(x):
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.exit(main())
+    run_cli(main)

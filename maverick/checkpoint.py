@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from maverick.cli import UserError
 from maverick.config import Llama4Config
 from maverick.model import Llama4, rope_inv_freq
 
@@ -36,7 +37,7 @@ VISION_PREFIXES = (
 TEXT_PREFIXES = ("language_model.", "model.language_model.")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     pass
 
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from maverick.cli import run_cli
 from maverick.kv_cache import KVCache
 from maverick.model import Llama4
 
@@ -212,4 +213,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -42,7 +42,6 @@ import math
 import os
 import re
 import struct
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -54,6 +53,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from maverick.cli import UserError, run_cli
 from maverick.model import Llama4
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ _ST_DTYPES = {"input_ids": ("I32",), "loss_mask": ("U8",), "target_argmax": ("I3
               "sample_index": ("I64",), "features": ("BF16", "F16"), "hidden": ("BF16", "F16")}  # fmt: skip
 
 
-class DumpError(ValueError):
+class DumpError(UserError):
     """A dump directory or shard that cannot be used; the message names the file."""
 
 
@@ -771,4 +771,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_cli(main)

@@ -42,7 +42,6 @@ import math
 import os
 import random
 import shutil
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,6 +56,7 @@ from torch import Tensor, nn
 
 from eagle3.draft import DraftConfig, Eagle3Draft, load_draft, save_draft
 from maverick.checkpoint import atomic_dir
+from maverick.cli import run_cli
 from maverick.config import Llama4Config
 from train.ttt import TTTBatch, ttt_unroll
 
@@ -901,4 +901,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_cli(main)
