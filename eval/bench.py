@@ -17,6 +17,12 @@ Methods named eagle3-...+lookup draft by prompt lookup where the text repeats it
 draft elsewhere (eagle3/lookup.py); eagle3-...+lookup+store also copy from a datastore of the target's own
 answers (eagle3/datastore.py, --datastore) where the sequence itself has no match.
 
+Prompts longer than --max-prompt-tokens are refused before any model runs (naming the prompt and turn;
+a later turn counts the earlier answers at --max-new-tokens each): a benchmark run on prompts cut
+without a word is not that benchmark. `--long-prompts truncate` keeps the last --max-prompt-tokens
+tokens instead (the start of the chat, system prompt included, is lost) and the report counts the
+cut turns (config.truncated_turns).
+
 Output: the config first, a progress bar, then the table; report.json (all records), report.md and plots
 in --out.
 """
@@ -54,7 +60,7 @@ from eval.report import (
     variant,
     write_report,
 )
-from maverick.cli import run_cli
+from maverick.cli import UserError, positive_int, run_cli
 from maverick.generate import Decoder
 from maverick.gguf_model import load_gguf_model
 from maverick.tokenizer import default_gguf_path, encode_chat, load_tokenizer
@@ -228,14 +234,45 @@ def build_prompts(tok, prompt: dict, turn: int, answers: list[str]) -> list[int]
     return encode_chat(tok, msgs)
 
 
+def check_prompt_lengths(args, tok, prompts) -> None:
+    """--long-prompts error: every turn of every prompt must fit --max-prompt-tokens, checked before any
+    model runs; a later turn counts each earlier answer at its most, --max-new-tokens."""
+    if args.long_prompts != "error":
+        return
+    for prompt in prompts:
+        for turn in range(min(args.turns, len(prompt["turns"]))):
+            n = len(build_prompts(tok, prompt, turn, [""] * turn)) + turn * args.max_new_tokens
+            if n > args.max_prompt_tokens:
+                answers = f" with {turn} answer(s) of up to {args.max_new_tokens} tokens" if turn else ""
+                raise UserError(
+                    f"--bench {args.bench}: prompt {prompt['id']} turn {turn + 1} is {n} tokens{answers}, over "
+                    f"--max-prompt-tokens {args.max_prompt_tokens}: raise it, lower --turns, or pass "
+                    "--long-prompts truncate (keeps the last --max-prompt-tokens tokens; the report counts them)"
+                )
+
+
+def fit_prompt(ids: list[int], args, where: str, cut: list[str]) -> list[int]:
+    """A prompt within --max-prompt-tokens: as is, cut to its last tokens (--long-prompts truncate;
+    `where` is appended to `cut`), or refused."""
+    if len(ids) <= args.max_prompt_tokens:
+        return ids
+    if args.long_prompts != "truncate":
+        raise UserError(f"{where}: {len(ids)} tokens, over --max-prompt-tokens {args.max_prompt_tokens}")
+    cut.append(where)
+    return ids[-args.max_prompt_tokens :]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bench", default="mtbench", help="mtbench | humaneval | sharegpt-heldout | jsonl")
     ap.add_argument("--prompts", default=None, help="JSONL of prompts for --bench jsonl")
     ap.add_argument("--n", type=int, default=10, help="number of prompts (default 10)")
     ap.add_argument("--turns", type=int, default=2, help="turns per prompt (MT-bench has 2)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
+    ap.add_argument("--max-new-tokens", type=positive_int, default=128)
+    ap.add_argument("--max-prompt-tokens", type=positive_int, default=1024)
+    ap.add_argument("--long-prompts", choices=("error", "truncate"), default="error",
+                    help="a prompt over --max-prompt-tokens: refuse the run before it starts (default), or "
+                         "keep its last --max-prompt-tokens tokens and count it in the report")  # fmt: skip
     ap.add_argument("--methods", default=",".join(ALL_METHODS))
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -283,7 +320,15 @@ def main(argv=None) -> int:
     print(json.dumps(config), flush=True)
 
     tok = load_tokenizer(gguf)
+    prompts = load_benchmark(args.bench, n=args.n, path=args.prompts)
+    check_prompt_lengths(args, tok, prompts)
     target = load_gguf_model(gguf, dtype=dtype)
+    context = target.config.max_position_embeddings
+    if args.max_prompt_tokens + args.max_new_tokens > context:
+        raise UserError(
+            f"--max-prompt-tokens {args.max_prompt_tokens} + --max-new-tokens {args.max_new_tokens} run past the "
+            f"target's context of {context} tokens"
+        )
     eos = target.config.eos_ids
     draft = None
     if any(m.startswith("eagle3") for m in methods):
@@ -314,7 +359,6 @@ def main(argv=None) -> int:
         targets[Q4_SUFFIX] = load_gguf_model(gguf, dtype=dtype, q4=True)
     runners = {m: Runner(m, args, targets[variant(m)], draft, hf, eos) for m in methods}
 
-    prompts = load_benchmark(args.bench, n=args.n, path=args.prompts)
     gen = torch.Generator().manual_seed(args.seed)
     # warm-up: one short generation per method (allocations, lazy init, compile)
     warm = encode_chat(tok, [{"role": "user", "content": "Say hello."}])
@@ -322,13 +366,15 @@ def main(argv=None) -> int:
         r.run(warm, 8, gen)
 
     records: list[RunRecord] = []
+    cut: list[str] = []  # prompt turns cut to --max-prompt-tokens (--long-prompts truncate)
     bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", file=sys.stderr)
     for i, prompt in enumerate(prompts):
         order = methods[i % len(methods) :] + methods[: i % len(methods)]
         for m in order:
             answers: list[str] = []
             for turn in range(min(args.turns, len(prompt["turns"]))):
-                ids = build_prompts(tok, prompt, turn, answers)[-args.max_prompt_tokens :]
+                where = f"{m}: prompt {prompt['id']} turn {turn + 1}"
+                ids = fit_prompt(build_prompts(tok, prompt, turn, answers), args, where, cut)
                 new, st = runners[m].run(ids, args.max_new_tokens, gen)
                 answers.append(tok.decode([t for t in new if t not in eos], skip_special_tokens=True))
                 records.append(
@@ -365,10 +411,14 @@ def main(argv=None) -> int:
     if not greedy and args.dist_samples > 0:
         checks = distribution_checks(args, methods, prompts, tok, targets, draft)
         config["distribution_check"] = [asdict(c) | {"passed": c.passed} for c in checks]
+    config["truncated_turns"] = len(cut)
     paths = write_report(records, summaries, config, out_dir)
     print(f"\ntarget {Path(gguf).name}, dtype {args.dtype}, {len(prompts)} prompts x {args.turns} turns, "
           f"max_new_tokens {args.max_new_tokens}, temperature {args.temperature}")  # fmt: skip
     ok = print_table(summaries)
+    if cut:
+        print(f"{len(cut)} prompt turns were cut to their last {args.max_prompt_tokens} tokens (--long-prompts "
+              f"truncate), e.g. {cut[0]}")  # fmt: skip
     for c in checks:
         verdict = "ok" if c.passed else f"{BOLD_RED}FAIL{RESET}"
         print(f"distribution check {c.method} prompt {c.prompt_id}: TV of the 2nd token {c.tv:.3f} "
@@ -394,7 +444,7 @@ def distribution_checks(args, methods, prompts, tok, targets, draft) -> list[Dis
         total=len(ours) * min(args.dist_prompts, len(prompts)), desc="distribution check", file=sys.stderr
     )
     for prompt in prompts[: args.dist_prompts]:
-        ids = build_prompts(tok, prompt, 0, [])[-args.max_prompt_tokens :]
+        ids = fit_prompt(build_prompts(tok, prompt, 0, []), args, f"prompt {prompt['id']}", [])
         for m in ours:
             base = m.removesuffix(variant(m))
             t = targets[variant(m)]

@@ -527,6 +527,33 @@ def _check_same_dump(first: Path, a: Mapping[str, Any], other: Path, b: Mapping[
             )
 
 
+def check_manifest_totals(directory: Path, m: Mapping[str, Any]) -> None:
+    """The manifest's totals (samples, tokens, bytes, shard count) must be those of its shard list, and a
+    complete dump's shards must cover its samples in order: an edited or mixed-up manifest is refused."""
+    path = directory / MANIFEST
+    shards = m.get("shards", [])
+    for key in ("samples", "tokens", "bytes"):
+        listed = sum(int(e.get(key, 0)) for e in shards)
+        if key in m and m[key] != listed:
+            raise DumpError(f"{path}: {key} is {m[key]} but its shard list sums to {listed}")
+    if not m.get("complete"):
+        return
+    if len(shards) != m.get("num_shards"):
+        raise DumpError(
+            f"{path}: complete with num_shards {m.get('num_shards')} but {len(shards)} shards listed"
+        )
+    first = 0
+    for e in shards:
+        if e.get("first_sample") != first:
+            raise DumpError(
+                f"{path}: shard {e.get('file')} starts at sample {e.get('first_sample')}, expected {first}"
+            )
+        first += int(e["samples"])
+    n = (m.get("data") or {}).get("num_samples")
+    if n is not None and n != first:
+        raise DumpError(f"{path}: data.num_samples is {n} but the shards hold {first} samples")
+
+
 class DumpDataset:
     """Map-style dataset over a dump directory: item i is sample i as a dict of the stored fields
     (memory-mapped; only the rows of that sample are read).
@@ -554,6 +581,7 @@ class DumpDataset:
         self.shards = []
         for d in dirs:
             md = read_manifest(d)
+            check_manifest_totals(d, md)
             _check_same_dump(self.directory, self.manifest, d, md)
             if not md.get("complete") and not allow_partial:
                 raise DumpError(
