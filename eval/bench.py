@@ -135,7 +135,7 @@ def build_decoder(name: str, target, draft, max_len: int, args) -> Decoder | Spe
     if name.endswith(STORE_SUFFIX):
         name = name.removesuffix(STORE_SUFFIX)
         if not name.endswith(LOOKUP_SUFFIX):
-            raise ValueError(f"'{STORE_SUFFIX}' extends prompt lookup: name the method <method>+lookup+store")
+            raise UserError(f"'{STORE_SUFFIX}' extends prompt lookup: name the method <method>+lookup+store")
         datastore = Datastore.load(datastore_path(args))
     copy_tokens = getattr(args, "lookup_tokens", 10)
     # a streak below the base length is off
@@ -148,12 +148,12 @@ def build_decoder(name: str, target, draft, max_len: int, args) -> Decoder | Spe
     if name not in ("eagle3-tuned", "eagle3-tree") and not (
         name.startswith("eagle3-k") and fixed_k.isdigit()
     ):
-        raise ValueError(
+        raise UserError(
             f"unknown method {name!r}; known: {', '.join(ALL_METHODS)} (eagle3 chains also with '{LOOKUP_SUFFIX}' or '{LOOKUP_SUFFIX}{STORE_SUFFIX}', "
             f"ours with '{FP8_SUFFIX}' or '{Q4_SUFFIX}')"
         )
     if draft is None:
-        raise ValueError(f"method {name} needs a draft (--draft)")
+        raise UserError(f"method {name} needs a draft (--draft)")
     policy, tree = None, None
     if name == "eagle3-tuned":
         policy = DraftLengthTuner(choices=range(1, 9))
@@ -349,7 +349,7 @@ def main(argv=None) -> int:
         if args.fp8 in ("draft", "both") and draft is not None:
             convert_to_fp8_weight_only(draft)
     if any(m.startswith("hf-") and variant(m) for m in methods):
-        raise ValueError(f"'{FP8_SUFFIX}' and '{Q4_SUFFIX}' apply to our methods only, not HF's")
+        raise UserError(f"'{FP8_SUFFIX}' and '{Q4_SUFFIX}' apply to our methods only, not HF's")
     targets = {"": target}  # by variant suffix
     if any(variant(m) == FP8_SUFFIX for m in methods):
         from maverick.fp8 import convert_to_fp8_weight_only

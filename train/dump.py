@@ -53,7 +53,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from maverick.cli import UserError, run_cli
+from maverick.cli import UserError, positive_int, run_cli
 from maverick.model import Llama4
 
 log = logging.getLogger(__name__)
@@ -746,9 +746,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", default="bf16", choices=sorted(STORE_DTYPES), help="stored features / hidden")
     p.add_argument("--feature-layers", default=None, help="comma-separated (default 2,L//2,L-3)")
-    p.add_argument("--shard-size", type=int, default=256, help="samples per shard")
-    p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per target forward")
-    p.add_argument("--draft-vocab-size", type=int, default=8192)
+    p.add_argument("--shard-size", type=positive_int, default=256, help="samples per shard")
+    p.add_argument("--batch-tokens", type=positive_int, default=4096, help="padded tokens per target forward")
+    p.add_argument("--draft-vocab-size", type=positive_int, default=8192)
     p.add_argument(
         "--threads",
         type=int,

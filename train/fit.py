@@ -62,7 +62,7 @@ from torch import Tensor, nn
 
 from eagle3.draft import DraftConfig, Eagle3Draft, load_draft, save_draft
 from maverick.checkpoint import atomic_dir
-from maverick.cli import UserError, run_cli
+from maverick.cli import UserError, positive_int, run_cli
 from maverick.config import Llama4Config
 from train.ttt import TTTBatch, ttt_unroll
 
@@ -563,7 +563,7 @@ class _Run:
         saved = state["config"]
         diff = {k: (saved.get(k), v) for k, v in self.cfg.resume_view().items() if saved.get(k) != v}
         if diff:
-            raise ValueError(f"{ck / STATE_FILE}: cannot resume with different settings (saved, now): {diff}")
+            raise UserError(f"{ck / STATE_FILE}: cannot resume with different settings (saved, now): {diff}")
         if (
             state["data"]["fingerprint"] != self.fingerprint
             or state["data"]["world_batch"] != self.global_batch
@@ -840,15 +840,15 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--online", action="store_true", help="run the target on the fly (data options below)")
     p.add_argument("--out", required=True, help="output directory (log, checkpoints, draft, curve.png)")
     p.add_argument("--target", default=None, help="target .gguf / HF dir (default: the one the dumps name)")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=4, help="samples per process per micro-batch")
-    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--steps", type=positive_int, default=1000)
+    p.add_argument("--batch-size", type=positive_int, default=4, help="samples per process per micro-batch")
+    p.add_argument("--grad-accum", type=positive_int, default=1)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--warmup", type=int, default=50, help="linear warmup steps, then cosine")
     p.add_argument("--min-lr-ratio", type=float, default=0.0)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--grad-clip", type=float, default=0.5)
-    p.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll steps")
+    p.add_argument("--ttt-steps", type=positive_int, default=7, help="training-time-test unroll steps")
     p.add_argument("--decay", type=float, default=0.8, help="loss weight of unroll step i: decay**i")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="bf16 autocast or fp32")
@@ -928,7 +928,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             from train.dump import target_identity
 
             if target_identity(target_path)["size"] != target["size"]:
-                raise ValueError(
+                raise UserError(
                     f"{target_path}: size differs from the one recorded in {data.directory}/manifest.json"
                 )
         vocab = data.vocab()
