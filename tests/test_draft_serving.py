@@ -6,7 +6,9 @@ vLLM's mapping below restates what vllm/model_executor/models/llama_eagle3.py (c
 `draft_id_to_target_id`, every other name but `lm_head.*` prefixed `model.`, then `midlayer.` ->
 `layers.0.`, q/k/v -> the fused `qkv_proj`, gate/up -> `gate_up_proj`; a name that is no parameter is a
 KeyError there. Its aux-layer capture appends the residual stream ENTERING layer idx (hidden_states +
-residual before `layer(...)`); SGLang / SpecForge read the nested ids as layer outputs.
+residual before `layer(...)`); SGLang (python/sglang/srt/models/llama.py, commit 0023954:
+`set_eagle3_layers_to_capture` captures layers `val + 1` of the nested ids, with the same loop) reads
+the nested ids as layer outputs.
 """
 
 from __future__ import annotations
