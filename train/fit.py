@@ -917,6 +917,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cfg = config_from_args(args)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({"config": dataclasses.asdict(cfg)}), flush=True)
+    if cfg.dumps and cfg.verify_dumps and int(os.environ.get("RANK", "0")) == 0:
+        print(
+            "checking every dump shard's sha256 against its manifest (--no-verify-dumps skips it)", flush=True
+        )
     eval_data = DumpDataset(cfg.eval_dumps, verify=cfg.verify_dumps) if cfg.eval_dumps else None
     if cfg.dumps:
         data = DumpDataset(cfg.dumps, verify=cfg.verify_dumps)
