@@ -180,14 +180,21 @@ def feature_layers_from_hf(d: dict, source: str = "config.json") -> tuple[int, .
 def check_feature_layers(
     feature_layers: tuple[int, ...], num_target_layers: int, source: str = "the draft's config.json"
 ) -> None:
-    """Before any work: every aux layer must exist in the target (index L = after its last layer)."""
+    """Before any work: every aux layer must exist in the target (index L = after its last layer).
+    `source` names where the ids came from: a config.json (the message names both keys) or an option."""
     bad = [i for i in feature_layers if not 0 <= i <= num_target_layers]
-    if bad:
-        raise UserError(
+    if not bad:
+        return
+    if source.startswith("--"):  # a command-line option, not a config file
+        what = f"{source} {list(feature_layers)}"
+    else:
+        what = (
             f"{source}: {VLLM_AUX_KEY} {list(feature_layers)} (states entering those target layers; "
-            f"eagle_config.{VLLM_AUX_KEY} {[i - 1 for i in feature_layers]}) name layer(s) {bad} "
-            f"outside the target's {num_target_layers} layers (0..{num_target_layers})"
+            f"eagle_config.{VLLM_AUX_KEY} {[i - 1 for i in feature_layers]})"
         )
+    raise UserError(
+        f"{what} name layer(s) {bad} outside the target's {num_target_layers} layers (0..{num_target_layers})"
+    )
 
 
 _DERIVED = {

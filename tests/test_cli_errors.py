@@ -148,6 +148,13 @@ def test_aux_layer_past_the_target_is_refused_at_construction(target):
         match=rf"eagle_aux_hidden_state_layer_ids \[1, 2, 100\].*\[100\] outside the target's {L} layers",
     ):
         SpecDecoder(target, draft)
+    from eagle3.draft import check_feature_layers
+
+    check_feature_layers((0, 2, L), L)  # the state after the last layer (index L) is a feature too
+    with pytest.raises(
+        UserError, match=r"^--feature-layers \[2, 99\] name layer\(s\) \[99\] outside the target's 30"
+    ):
+        check_feature_layers((2, 99), 30, "--feature-layers")  # train.dump's option
 
 
 # ---- eval.bench: prompts over --max-prompt-tokens ----

@@ -777,6 +777,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if args.feature_layers
         else default_feature_layers(cfg.num_hidden_layers)
     )
+    from eagle3.draft import check_feature_layers
+
+    check_feature_layers(layers, cfg.num_hidden_layers, "--feature-layers")
     d2t, t2d, coverage = draft_vocab_from(train_split, cfg.vocab_size, args.draft_vocab_size)
     target = target_identity(target_path) | {"dtype": args.target_dtype, "hidden_size": cfg.hidden_size,
                                              "num_hidden_layers": cfg.num_hidden_layers, "vocab_size": cfg.vocab_size}  # fmt: skip
