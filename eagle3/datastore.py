@@ -22,8 +22,12 @@ proposal (the shipped EAGLE-3 draft: ~39% at its first position). In decoding (r
 target, whose verify cost grows with every extra row (maverick/q4.py), so there the 10-token copies cost
 more than they bring.
 
-    store = Datastore.load("eagle3/drafts/smollm2-135m-instruct/datastore.safetensors")
+    store = Datastore.load(beside_draft("eagle3/drafts/smollm2-135m-instruct"))  # ...instruct.datastore.safetensors
     SpecDecoder(target, draft, lookup=LookupConfig(), datastore=store)
+
+The shipped store sits BESIDE the draft directory it was made for, `<draft dir>.datastore.safetensors`
+(`beside_draft`), never inside it: vLLM loads every *.safetensors file in a draft directory and stops on
+the store's `tokens` tensor.
 
 Built by `python -m train.datastore` (from chat JSON/JSONL: the assistant turns, rendered with the
 target's chat template as the target reads them).
@@ -45,6 +49,15 @@ FORMAT = "maverick-eagle datastore v1"
 _SEP = -1  # between runs: no n-gram spans it and no continuation crosses it
 _BITS = 16  # per token in a key
 _OFFSET = 2 ** (_BITS - 1)  # the first token is offset so that a 4-gram's key fits a signed 64-bit int
+
+
+DATASTORE_SUFFIX = ".datastore.safetensors"
+
+
+def beside_draft(draft_dir: str | os.PathLike) -> Path:
+    """Where the datastore made for a draft lives: `<draft dir>.datastore.safetensors`, beside it."""
+    d = Path(draft_dir)
+    return d.with_name(d.name + DATASTORE_SUFFIX)
 
 
 class Datastore:

@@ -13,6 +13,18 @@ Positions: the pair (feature_t, token_{t+1}) sits at RoPE position t; draft step
 t + i. Training (train/ttt.py) uses the same convention, so what is trained is what is served. RoPE is
 HF Llama's rotate_half layout, the layout vLLM / SGLang apply to these drafts.
 
+Aux layers (which target hidden states are the features) in config.json, in both engines' conventions
+(read from their code; /work/shared/REFERENCE.md "Serving engines' draft conventions"):
+- top-level `eagle_aux_hidden_state_layer_ids`: vLLM's: the hidden state ENTERING target layer i (vLLM
+  captures the residual stream before layer i's call). This is `DraftConfig.feature_layers` as is, e.g.
+  [2, 15, 27] on a 30-layer target.
+- nested `eagle_config.eagle_aux_hidden_state_layer_ids`: SGLang's and SpecForge's: the OUTPUT of layer
+  i (SGLang adds 1 when it captures), i.e. feature_layers - 1, e.g. [1, 14, 26].
+`from_hf_dict` reads either and, when both are present, refuses a config where they name different
+states. The weight file names are the released drafts' (`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`,
+`t2d`); vLLM maps `midlayer.` to `layers.0.` and q/k/v, gate/up into its fused projections, and raises on
+any other tensor name in any *.safetensors file of the directory: nothing else may sit there.
+
 Shape legend: B batch, T positions, H hidden, V' draft vocab, S cache slots.
 """
 
@@ -31,6 +43,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from maverick.checkpoint import atomic_dir, check_state_dict
+from maverick.cli import UserError
 from maverick.config import Llama4Config
 from maverick.kv_cache import KVCache, attention_mask
 from maverick.linear import Linear
@@ -47,9 +60,8 @@ class DraftConfig:
     vocab_size: int  # the target's
     draft_vocab_size: int
     target_hidden_size: int
-    feature_layers: tuple[
-        int, ...
-    ]  # target layers whose INPUT hidden states are the features (low, mid, high)
+    # target layers whose INPUT hidden states are the features (low, mid, high): vLLM's aux-layer ids
+    feature_layers: tuple[int, ...]
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
@@ -98,9 +110,11 @@ class DraftConfig:
             "num_hidden_layers": 1,
             "hidden_act": "silu",
             "tie_word_embeddings": False,
-            # vLLM counts aux layers as layer OUTPUTS: the input of layer i is the output of layer i-1
+            # the same three states in each engine's convention (module docstring): vLLM reads the
+            # top-level key (state entering layer i), SGLang / SpecForge the nested one (output of layer i)
+            VLLM_AUX_KEY: list(self.feature_layers),
             "eagle_config": {
-                "eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.feature_layers],
+                VLLM_AUX_KEY: [i - 1 for i in self.feature_layers],
                 "use_aux_hidden_state": True,
             },
         }
@@ -108,16 +122,18 @@ class DraftConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict, source: str = "config.json") -> DraftConfig:
+        if not isinstance(d, dict):
+            raise UserError(f"{source}: expected a JSON object, got {type(d).__name__}")
         arch = d.get("architectures") or []
         if not any("Eagle3" in a or "eagle3" in a.lower() for a in arch):
-            raise ValueError(
+            raise UserError(
                 f"{source}: architectures {arch} is not an EAGLE-3 draft (LlamaForCausalLMEagle3)"
             )
         if d.get("num_hidden_layers", 1) != 1:
-            raise ValueError(f"{source}: num_hidden_layers={d['num_hidden_layers']}, an EAGLE-3 draft has 1")
+            raise UserError(f"{source}: num_hidden_layers={d['num_hidden_layers']}, an EAGLE-3 draft has 1")
         for key in ("hidden_size", "num_attention_heads", "vocab_size", "intermediate_size"):
             if key not in d:
-                raise ValueError(f"{source}: missing field {key!r}")
+                raise UserError(f"{source}: missing field {key!r}")
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in names and k not in ("extra", "feature_layers")}
         kw.setdefault("num_key_value_heads", d["num_attention_heads"])
@@ -130,17 +146,59 @@ class DraftConfig:
         kw.setdefault("rope_theta", rp.get("rope_theta", 10000.0))
         if kw.get("rope_scaling") is None and rp.get("rope_type", "default") != "default":
             kw["rope_scaling"] = rp
-        ids = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        if ids is None:
-            raise ValueError(
-                f"{source}: no eagle_config.eagle_aux_hidden_state_layer_ids; pass feature_layers for this target"
-            )
-        kw["feature_layers"] = tuple(int(i) + 1 for i in ids)
+        kw["feature_layers"] = feature_layers_from_hf(d, source)
         extra = {k: v for k, v in d.items() if k not in names and k not in _DERIVED}
         return cls(**kw, extra=extra)
 
 
+VLLM_AUX_KEY = "eagle_aux_hidden_state_layer_ids"
+
+
+def feature_layers_from_hf(d: dict, source: str = "config.json") -> tuple[int, ...]:
+    """feature_layers (states entering target layer i) from a config.json: the top-level (vLLM)
+    `eagle_aux_hidden_state_layer_ids` as is, the nested (SGLang) `eagle_config.` one plus 1; both
+    present must agree."""
+    top = d.get(VLLM_AUX_KEY)
+    nested = (d.get("eagle_config") or {}).get(VLLM_AUX_KEY)
+    for key, ids in ((VLLM_AUX_KEY, top), (f"eagle_config.{VLLM_AUX_KEY}", nested)):
+        if ids is not None and not (isinstance(ids, list) and ids and all(type(i) is int for i in ids)):
+            raise UserError(f"{source}: {key} must be a non-empty list of integers, got {ids!r}")
+    if top is None and nested is None:
+        raise UserError(
+            f"{source}: no {VLLM_AUX_KEY} (top level, vLLM's: the states entering those target layers) "
+            f"and no eagle_config.{VLLM_AUX_KEY} (SGLang's: the outputs of those layers)"
+        )
+    if top is not None and nested is not None and [i + 1 for i in nested] != top:
+        raise UserError(
+            f"{source}: {VLLM_AUX_KEY} {top} (vLLM: states entering those layers) and "
+            f"eagle_config.{VLLM_AUX_KEY} {nested} (SGLang: outputs of those layers) name different states; "
+            f"the nested ids must be the top-level ones minus 1"
+        )
+    return tuple(top) if top is not None else tuple(i + 1 for i in nested)
+
+
+def check_feature_layers(
+    feature_layers: tuple[int, ...], num_target_layers: int, source: str = "the draft's config.json"
+) -> None:
+    """Before any work: every aux layer must exist in the target (index L = after its last layer).
+    `source` names where the ids came from: a config.json (the message names both keys) or an option."""
+    bad = [i for i in feature_layers if not 0 <= i <= num_target_layers]
+    if not bad:
+        return
+    if source.startswith("--"):  # a command-line option, not a config file
+        what = f"{source} {list(feature_layers)}"
+    else:
+        what = (
+            f"{source}: {VLLM_AUX_KEY} {list(feature_layers)} (states entering those target layers; "
+            f"eagle_config.{VLLM_AUX_KEY} {[i - 1 for i in feature_layers]})"
+        )
+    raise UserError(
+        f"{what} name layer(s) {bad} outside the target's {num_target_layers} layers (0..{num_target_layers})"
+    )
+
+
 _DERIVED = {
+    VLLM_AUX_KEY,
     "architectures",
     "model_type",
     "num_hidden_layers",
@@ -306,28 +364,33 @@ def save_draft(
 def load_draft(
     path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> Eagle3Draft:
+    """Read a draft directory as vLLM does: config.json and EVERY *.safetensors file in it (so a file that
+    is not part of the draft is an error here too, as it is there). Errors name the file and key."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise FileNotFoundError(f"no config.json in draft directory {path}")
-    cfg = DraftConfig.from_hf_dict(json.loads(cfg_file.read_text()), source=str(cfg_file))
-    # a datastore (eagle3/datastore.py) may ship beside the weights: it is not part of the draft
-    files = sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("datastore"))
+    cfg = DraftConfig.from_hf_dict(read_json(cfg_file), source=str(cfg_file))
+    files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors file in draft directory {path}")
     sd: dict[str, Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for k in sf.keys():
-                sd[k.removeprefix("model.") if k.startswith("model.midlayer") else k] = sf.get_tensor(k)
     with torch.device("meta"):
         draft = Eagle3Draft(cfg)
     expected = draft.state_dict()
+    for f in files:
+        tensors = read_safetensors(f)
+        unknown = sorted(k for k in tensors if k not in expected and k not in _OPTIONAL_KEYS)
+        if unknown:
+            raise UserError(
+                f"{f}: tensor(s) {unknown[:5]} are not part of an EAGLE-3 draft; vLLM loads every *.safetensors "
+                f"file in a draft directory and stops on them: keep other files outside it (a datastore: "
+                f"{path.name}.datastore.safetensors beside the directory)"
+            )
+        sd.update(tensors)
     check_state_dict(expected, {k: v for k, v in sd.items() if k not in _OPTIONAL_KEYS}, f"{path} (draft)")
     d2t, t2d = sd["d2t"].long(), sd["t2d"].bool()
-    ids = torch.arange(len(d2t)) + d2t
-    if int(t2d.sum()) != len(d2t) or not bool(t2d[ids.clamp(0, len(t2d) - 1)].all()) or ids.max() >= len(t2d):
-        raise ValueError(f"{path}: d2t and t2d disagree (d2t does not map onto the ids that t2d marks)")
+    check_vocab_maps(d2t, t2d, str(path))
     tensors = {
         k: (v.to(device) if k in ("d2t", "t2d") else v.to(device=device, dtype=dtype))
         for k, v in sd.items()
@@ -337,6 +400,49 @@ def load_draft(
     draft.load_state_dict(tensors, strict=True, assign=True)
     draft.inv_freq = _inv_freq(cfg).to(device)
     return draft.eval()
+
+
+def read_json(path: Path) -> dict:
+    """A JSON file; invalid JSON or bytes that are not UTF-8 are a UserError naming the file and line."""
+    from maverick.cli import read_utf8
+
+    try:
+        return json.loads(read_utf8(path))
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}: invalid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from exc
+
+
+def read_safetensors(f: Path) -> dict[str, Tensor]:
+    """Every tensor of one weight file (released drafts' `model.midlayer.*` read as `midlayer.*`); a
+    truncated or corrupt file is a UserError naming it."""
+    sd: dict[str, Tensor] = {}
+    try:
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                sd[k.removeprefix("model.") if k.startswith("model.midlayer") else k] = sf.get_tensor(k)
+    except Exception as exc:  # safetensors raises its own SafetensorError / OSError without the path
+        raise UserError(
+            f"{f}: not a readable safetensors file ({type(exc).__name__}: {exc}); truncated or corrupt?"
+        ) from exc
+    return sd
+
+
+def check_vocab_maps(d2t: Tensor, t2d: Tensor, source: str) -> None:
+    """d2t (draft id -> offset to its target id) and t2d (target ids in the draft vocab) must describe
+    one injective map: each draft id its own target id, in range, and exactly the ids t2d marks."""
+    ids = torch.arange(len(d2t)) + d2t.cpu()
+    V = len(t2d)
+    out = ((ids < 0) | (ids >= V)).nonzero().flatten()
+    if len(out):
+        i = int(out[0])
+        raise UserError(f"{source}: d2t maps draft id {i} to target id {int(ids[i])}, outside 0..{V - 1}")
+    uniq, counts = ids.unique(return_counts=True)
+    if bool((counts > 1).any()):
+        tid = int(uniq[counts > 1][0])
+        dup = (ids == tid).nonzero().flatten().tolist()
+        raise UserError(f"{source}: d2t maps draft ids {dup} to the same target token {tid}")
+    if int(t2d.sum()) != len(d2t) or not bool(t2d.cpu()[ids].all()):
+        raise UserError(f"{source}: d2t and t2d disagree (d2t does not map onto the ids that t2d marks)")
 
 
 def _inv_freq(c: DraftConfig) -> Tensor:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from eagle3.datastore import Datastore
-from eagle3.draft import Eagle3Draft
+from eagle3.draft import Eagle3Draft, check_feature_layers
 from eagle3.lookup import LookupConfig, NgramIndex
 from eagle3.sampling import (
     SamplingParams,
@@ -50,7 +50,7 @@ from eagle3.sampling import (
     verify_tree_sampling,
 )
 from eagle3.tuner import FixedK
-from maverick.generate import Generation, decode_window, prefill
+from maverick.generate import Generation, check_lengths, decode_window, prefill
 from maverick.model import Llama4
 
 
@@ -128,6 +128,7 @@ class SpecDecoder:
             raise ValueError(
                 f"draft target_hidden_size {draft.config.target_hidden_size} != target {target.config.hidden_size}"
             )
+        check_feature_layers(draft.config.feature_layers, target.config.num_hidden_layers)
         self.target, self.draft = target, draft
         self.embed = target.model.embed_tokens
         self.feature_layers = tuple(draft.config.feature_layers)
@@ -191,6 +192,11 @@ class SpecDecoder:
         B = len(prompts)
         if self.tree is not None and B != 1:
             raise ValueError("tree drafting runs one prompt at a time (batch size 1)")
+        check_lengths(prompts, max_new_tokens, self.target.config.max_position_embeddings)
+        if max_new_tokens == 0:  # nothing to emit: not even the prefill's token
+            gen = Generation([[] for _ in prompts], [len(p) for p in prompts], 0.0, 0.0)
+            gen.stats = {"spec": SpecStats()}
+            return gen
         greedy = sampling is None or sampling.greedy
         if self.tcache.batch_size != B:
             self._caches(B)

@@ -39,7 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eagle3.draft import Eagle3Draft, load_draft
+from eagle3.draft import Eagle3Draft, check_feature_layers, load_draft
+from maverick.cli import positive_int, run_cli
 from maverick.generate import Decoder
 from maverick.model import Llama4
 from train.dump import run_target
@@ -175,9 +176,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--draft", action="append", required=True, help="draft directory (repeat to compare)")
     ap.add_argument("--bench", choices=BENCHMARKS, default="mtbench")
     ap.add_argument("--prompts", default=None, help="JSONL of prompts for --bench jsonl")
-    ap.add_argument("--n", type=int, default=80, help="number of prompts")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=5, help="draft positions scored")
+    ap.add_argument("--n", type=positive_int, default=80, help="number of prompts")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=128)
+    ap.add_argument("--steps", type=positive_int, default=5, help="draft positions scored")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--target", "--gguf", dest="target", default=None, help=TARGET_HELP)
     ap.add_argument("--threads", type=int, default=None)
@@ -187,6 +188,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     model, tok = load_target(args.target, dtype=dtype), load_target_tokenizer(args.target)
+    drafts = {path: load_draft(path, dtype=dtype) for path in args.draft}  # every draft checked before work
+    for path, draft in drafts.items():
+        check_feature_layers(
+            draft.config.feature_layers, model.config.num_hidden_layers, f"{path}/config.json"
+        )
     bench = load_benchmark(args.bench, args.n, args.prompts)
     prompts = [
         encode_chat(
@@ -213,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     fields: dict[tuple[int, ...], list[dict[str, Tensor]]] = {}  # the target's forwards, per feature layers
     probs: list[Tensor] = []  # target_probs per answer: the same whatever the draft
     for path in args.draft:
-        draft = load_draft(path, dtype=dtype)
+        draft = drafts[path]
         layers = tuple(draft.config.feature_layers)
         if layers not in fields:
             fields[layers] = [target_fields(model, p, a, layers) for p, a in zip(prompts, answers)]
@@ -263,4 +269,4 @@ def _cat(details: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

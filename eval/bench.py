@@ -17,6 +17,12 @@ Methods named eagle3-...+lookup draft by prompt lookup where the text repeats it
 draft elsewhere (eagle3/lookup.py); eagle3-...+lookup+store also copy from a datastore of the target's own
 answers (eagle3/datastore.py, --datastore) where the sequence itself has no match.
 
+Prompts longer than --max-prompt-tokens are refused before any model runs (naming the prompt and turn;
+a later turn counts the earlier answers at --max-new-tokens each): a benchmark run on prompts cut
+without a word is not that benchmark. `--long-prompts truncate` keeps the last --max-prompt-tokens
+tokens instead (the start of the chat, system prompt included, is lost) and the report counts the
+cut turns (config.truncated_turns).
+
 Output: the config first, a progress bar, then the table; report.json (all records), report.md and plots
 in --out.
 """
@@ -35,7 +41,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eagle3.datastore import Datastore
+from eagle3.datastore import Datastore, beside_draft
 from eagle3.draft import load_draft
 from eagle3.lookup import LookupConfig
 from eagle3.sampling import SamplingParams
@@ -54,6 +60,7 @@ from eval.report import (
     variant,
     write_report,
 )
+from maverick.cli import UserError, positive_int, run_cli
 from maverick.generate import Decoder
 from maverick.target import TARGET_HELP, load_hf_reference, load_target, load_target_tokenizer
 from maverick.tokenizer import default_gguf_path, encode_chat
@@ -128,7 +135,7 @@ def build_decoder(name: str, target, draft, max_len: int, args) -> Decoder | Spe
     if name.endswith(STORE_SUFFIX):
         name = name.removesuffix(STORE_SUFFIX)
         if not name.endswith(LOOKUP_SUFFIX):
-            raise ValueError(f"'{STORE_SUFFIX}' extends prompt lookup: name the method <method>+lookup+store")
+            raise UserError(f"'{STORE_SUFFIX}' extends prompt lookup: name the method <method>+lookup+store")
         datastore = Datastore.load(datastore_path(args))
     copy_tokens = getattr(args, "lookup_tokens", 10)
     # a streak below the base length is off
@@ -141,12 +148,12 @@ def build_decoder(name: str, target, draft, max_len: int, args) -> Decoder | Spe
     if name not in ("eagle3-tuned", "eagle3-tree") and not (
         name.startswith("eagle3-k") and fixed_k.isdigit()
     ):
-        raise ValueError(
+        raise UserError(
             f"unknown method {name!r}; known: {', '.join(ALL_METHODS)} (eagle3 chains also with '{LOOKUP_SUFFIX}' or '{LOOKUP_SUFFIX}{STORE_SUFFIX}', "
             f"ours with '{FP8_SUFFIX}' or '{Q4_SUFFIX}')"
         )
     if draft is None:
-        raise ValueError(f"method {name} needs a draft (--draft)")
+        raise UserError(f"method {name} needs a draft (--draft)")
     policy, tree = None, None
     if name == "eagle3-tuned":
         policy = DraftLengthTuner(choices=range(1, 9))
@@ -167,9 +174,9 @@ def build_decoder(name: str, target, draft, max_len: int, args) -> Decoder | Spe
 
 
 def datastore_path(args) -> Path:
-    """--datastore, or the datastore.safetensors shipped beside the draft."""
+    """--datastore, or the one shipped beside the draft directory (<draft>.datastore.safetensors)."""
     path = getattr(args, "datastore", None)
-    return Path(path) if path else Path(getattr(args, "draft", DEFAULT_DRAFT)) / "datastore.safetensors"
+    return Path(path) if path else beside_draft(getattr(args, "draft", DEFAULT_DRAFT))
 
 
 class Runner:
@@ -227,14 +234,45 @@ def build_prompts(tok, prompt: dict, turn: int, answers: list[str]) -> list[int]
     return encode_chat(tok, msgs)
 
 
+def check_prompt_lengths(args, tok, prompts) -> None:
+    """--long-prompts error: every turn of every prompt must fit --max-prompt-tokens, checked before any
+    model runs; a later turn counts each earlier answer at its most, --max-new-tokens."""
+    if args.long_prompts != "error":
+        return
+    for prompt in prompts:
+        for turn in range(min(args.turns, len(prompt["turns"]))):
+            n = len(build_prompts(tok, prompt, turn, [""] * turn)) + turn * args.max_new_tokens
+            if n > args.max_prompt_tokens:
+                answers = f" with {turn} answer(s) of up to {args.max_new_tokens} tokens" if turn else ""
+                raise UserError(
+                    f"--bench {args.bench}: prompt {prompt['id']} turn {turn + 1} is {n} tokens{answers}, over "
+                    f"--max-prompt-tokens {args.max_prompt_tokens}: raise it, lower --turns, or pass "
+                    "--long-prompts truncate (keeps the last --max-prompt-tokens tokens; the report counts them)"
+                )
+
+
+def fit_prompt(ids: list[int], args, where: str, cut: list[str]) -> list[int]:
+    """A prompt within --max-prompt-tokens: as is, cut to its last tokens (--long-prompts truncate;
+    `where` is appended to `cut`), or refused."""
+    if len(ids) <= args.max_prompt_tokens:
+        return ids
+    if args.long_prompts != "truncate":
+        raise UserError(f"{where}: {len(ids)} tokens, over --max-prompt-tokens {args.max_prompt_tokens}")
+    cut.append(where)
+    return ids[-args.max_prompt_tokens :]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bench", default="mtbench", help="mtbench | humaneval | sharegpt-heldout | jsonl")
     ap.add_argument("--prompts", default=None, help="JSONL of prompts for --bench jsonl")
     ap.add_argument("--n", type=int, default=10, help="number of prompts (default 10)")
     ap.add_argument("--turns", type=int, default=2, help="turns per prompt (MT-bench has 2)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
+    ap.add_argument("--max-new-tokens", type=positive_int, default=128)
+    ap.add_argument("--max-prompt-tokens", type=positive_int, default=1024)
+    ap.add_argument("--long-prompts", choices=("error", "truncate"), default="error",
+                    help="a prompt over --max-prompt-tokens: refuse the run before it starts (default), or "
+                         "keep its last --max-prompt-tokens tokens and count it in the report")  # fmt: skip
     ap.add_argument("--methods", default=",".join(ALL_METHODS))
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -244,8 +282,8 @@ def main(argv=None) -> int:
     ap.add_argument("--target", "--gguf", dest="gguf", default=None, help=TARGET_HELP)
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT), help="EAGLE-3 draft directory")
     ap.add_argument("--datastore", default=None,
-                    help="datastore for methods named <method>+lookup+store (default: datastore.safetensors in "
-                         "the draft directory; build one with python -m train.datastore)")  # fmt: skip
+                    help="datastore for methods named <method>+lookup+store (default: <draft dir>.datastore.safetensors "
+                         "beside the draft directory; build one with python -m train.datastore)")  # fmt: skip
     # the tree that did best with prompt lookup on this 2-core CPU (of 3/3/8, 3/4/12, 4/3/10, 4/4/14, 5/2/10,
     # 5/6/24: MT-bench, 3 questions); GPUs, where verifying more nodes costs next to nothing, take bigger ones
     ap.add_argument("--tree-depth", type=int, default=3)
@@ -282,7 +320,15 @@ def main(argv=None) -> int:
     print(json.dumps(config), flush=True)
 
     tok = load_target_tokenizer(gguf)
+    prompts = load_benchmark(args.bench, n=args.n, path=args.prompts)
+    check_prompt_lengths(args, tok, prompts)
     target = load_target(gguf, dtype=dtype)
+    context = target.config.max_position_embeddings
+    if args.max_prompt_tokens + args.max_new_tokens > context:
+        raise UserError(
+            f"--max-prompt-tokens {args.max_prompt_tokens} + --max-new-tokens {args.max_new_tokens} run past the "
+            f"target's context of {context} tokens"
+        )
     eos = target.config.eos_ids
     draft = None
     if any(m.startswith("eagle3") for m in methods):
@@ -298,7 +344,7 @@ def main(argv=None) -> int:
         if args.fp8 in ("draft", "both") and draft is not None:
             convert_to_fp8_weight_only(draft)
     if any(m.startswith("hf-") and variant(m) for m in methods):
-        raise ValueError(f"'{FP8_SUFFIX}' and '{Q4_SUFFIX}' apply to our methods only, not HF's")
+        raise UserError(f"'{FP8_SUFFIX}' and '{Q4_SUFFIX}' apply to our methods only, not HF's")
     targets = {"": target}  # by variant suffix
     if any(variant(m) == FP8_SUFFIX for m in methods):
         from maverick.fp8 import convert_to_fp8_weight_only
@@ -308,7 +354,6 @@ def main(argv=None) -> int:
         targets[Q4_SUFFIX] = load_target(gguf, dtype=dtype, q4=True)
     runners = {m: Runner(m, args, targets[variant(m)], draft, hf, eos) for m in methods}
 
-    prompts = load_benchmark(args.bench, n=args.n, path=args.prompts)
     gen = torch.Generator().manual_seed(args.seed)
     # warm-up: one short generation per method (allocations, lazy init, compile)
     warm = encode_chat(tok, [{"role": "user", "content": "Say hello."}])
@@ -316,13 +361,15 @@ def main(argv=None) -> int:
         r.run(warm, 8, gen)
 
     records: list[RunRecord] = []
+    cut: list[str] = []  # prompt turns cut to --max-prompt-tokens (--long-prompts truncate)
     bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", file=sys.stderr)
     for i, prompt in enumerate(prompts):
         order = methods[i % len(methods) :] + methods[: i % len(methods)]
         for m in order:
             answers: list[str] = []
             for turn in range(min(args.turns, len(prompt["turns"]))):
-                ids = build_prompts(tok, prompt, turn, answers)[-args.max_prompt_tokens :]
+                where = f"{m}: prompt {prompt['id']} turn {turn + 1}"
+                ids = fit_prompt(build_prompts(tok, prompt, turn, answers), args, where, cut)
                 new, st = runners[m].run(ids, args.max_new_tokens, gen)
                 answers.append(tok.decode([t for t in new if t not in eos], skip_special_tokens=True))
                 records.append(
@@ -359,10 +406,14 @@ def main(argv=None) -> int:
     if not greedy and args.dist_samples > 0:
         checks = distribution_checks(args, methods, prompts, tok, targets, draft)
         config["distribution_check"] = [asdict(c) | {"passed": c.passed} for c in checks]
+    config["truncated_turns"] = len(cut)
     paths = write_report(records, summaries, config, out_dir)
     print(f"\ntarget {Path(gguf).name}, dtype {args.dtype}, {len(prompts)} prompts x {args.turns} turns, "
           f"max_new_tokens {args.max_new_tokens}, temperature {args.temperature}")  # fmt: skip
     ok = print_table(summaries)
+    if cut:
+        print(f"{len(cut)} prompt turns were cut to their last {args.max_prompt_tokens} tokens (--long-prompts "
+              f"truncate), e.g. {cut[0]}")  # fmt: skip
     for c in checks:
         verdict = "ok" if c.passed else f"{BOLD_RED}FAIL{RESET}"
         print(f"distribution check {c.method} prompt {c.prompt_id}: TV of the 2nd token {c.tv:.3f} "
@@ -388,7 +439,7 @@ def distribution_checks(args, methods, prompts, tok, targets, draft) -> list[Dis
         total=len(ours) * min(args.dist_prompts, len(prompts)), desc="distribution check", file=sys.stderr
     )
     for prompt in prompts[: args.dist_prompts]:
-        ids = build_prompts(tok, prompt, 0, [])[-args.max_prompt_tokens :]
+        ids = fit_prompt(build_prompts(tok, prompt, 0, []), args, f"prompt {prompt['id']}", [])
         for m in ours:
             base = m.removesuffix(variant(m))
             t = targets[variant(m)]
@@ -413,4 +464,4 @@ def _jsonable(x):
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.exit(main())
+    run_cli(main)

@@ -21,12 +21,12 @@ import functools
 import json
 import os
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from maverick.cli import run_cli
 from maverick.fp8 import E4M3, fp8_mm, quantize_current, scaled_mm_supported, sqnr
 
 H, I_EXPERT, I_DENSE, KV = 5120, 8192, 16384, 1024
@@ -200,4 +200,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_cli(main)

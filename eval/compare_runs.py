@@ -14,6 +14,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from maverick.cli import run_cli
 from train.fit import LOG_FILE
 
 
@@ -88,4 +89,4 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

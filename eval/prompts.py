@@ -23,6 +23,7 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
+from maverick.cli import UserError, read_utf8
 from maverick.wheel_data import wheel_data_path
 from train.data import (
     DEFAULT_HELDOUT_FRACTION,
@@ -56,9 +57,9 @@ def _read_jsonl(path: pathlib.Path, text: str) -> list[tuple[int, dict[str, Any]
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: line {n}: invalid JSON: {exc.msg} (column {exc.colno})") from exc
+            raise UserError(f"{path}: line {n}: invalid JSON: {exc.msg} (column {exc.colno})") from exc
         if not isinstance(obj, Mapping):
-            raise ValueError(f"{path}: line {n}: expected a JSON object, got {type(obj).__name__}")
+            raise UserError(f"{path}: line {n}: expected a JSON object, got {type(obj).__name__}")
         out.append((n, obj))
     return out
 
@@ -67,13 +68,13 @@ def load_mtbench() -> list[dict[str, Any]]:
     """The 80 MT-bench questions (2 turns each), ids "81".."160", in file order."""
     path = wheel_data_path(MTBENCH_PACKAGE, MTBENCH_RELPATH, MTBENCH_PIP_INSTALL)
     prompts = []
-    for n, obj in _read_jsonl(path, path.read_text(encoding="utf-8")):
+    for n, obj in _read_jsonl(path, read_utf8(path)):
         try:
             prompts.append(
                 {"id": str(obj["question_id"]), "category": obj["category"], "turns": list(obj["turns"])}
             )
         except KeyError as exc:
-            raise ValueError(f"{path}: line {n}: missing field {exc}") from exc
+            raise UserError(f"{path}: line {n}: missing field {exc}") from exc
     return prompts
 
 
@@ -95,7 +96,7 @@ def load_humaneval() -> list[dict[str, Any]]:
                 }
             )
         except KeyError as exc:
-            raise ValueError(f"{path}: line {n}: missing field {exc}") from exc
+            raise UserError(f"{path}: line {n}: missing field {exc}") from exc
     return prompts
 
 
@@ -149,14 +150,14 @@ def load_jsonl_prompts(path: str | pathlib.Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
     prompts = []
-    for n, obj in _read_jsonl(path, path.read_text(encoding="utf-8")):
+    for n, obj in _read_jsonl(path, read_utf8(path)):
         where = f"{path}: line {n}"
         raw_id = next((obj[k] for k in ("id", "question_id", "task_id") if k in obj), None)
         prompt_id = f"{path.stem}:{n}" if raw_id is None else str(raw_id)
         category = str(obj.get("category", "jsonl"))
         if "prompt" in obj:
             if not isinstance(obj["prompt"], str) or not obj["prompt"].strip():
-                raise ValueError(f"{where}: 'prompt' must be a non-empty string")
+                raise UserError(f"{where}: 'prompt' must be a non-empty string")
             prompt = {"id": prompt_id, "category": category, "turns": [obj["prompt"]]}
         elif "turns" in obj:
             turns = obj["turns"]
@@ -165,19 +166,19 @@ def load_jsonl_prompts(path: str | pathlib.Path) -> list[dict[str, Any]]:
                 or not turns
                 or not all(isinstance(t, str) and t.strip() for t in turns)
             ):
-                raise ValueError(f"{where}: 'turns' must be a non-empty list of non-empty strings")
+                raise UserError(f"{where}: 'turns' must be a non-empty list of non-empty strings")
             prompt = {"id": prompt_id, "category": category, "turns": list(turns)}
         elif "messages" in obj or "conversations" in obj:
             try:
                 conv, _ = normalise_chat(obj)
             except MalformedChat as exc:
-                raise ValueError(f"{where}: {exc}") from exc
+                raise UserError(f"{where}: {exc}") from exc
             prompt = _prompt_from_messages(prompt_id, category, conv["messages"])
         else:
-            raise ValueError(f"{where}: needs 'prompt', 'turns' or 'messages' (keys: {sorted(obj)})")
+            raise UserError(f"{where}: needs 'prompt', 'turns' or 'messages' (keys: {sorted(obj)})")
         prompts.append(prompt)
     if not prompts:
-        raise ValueError(f"{path}: no prompts")
+        raise UserError(f"{path}: no prompts")
     return prompts
 
 

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from maverick import hf_llama
+from maverick.cli import UserError
 from maverick.config import Llama4Config
 from maverick.model import Llama4, rope_inv_freq
 
@@ -39,7 +40,7 @@ VISION_PREFIXES = (
 TEXT_PREFIXES = ("language_model.", "model.language_model.")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     pass
 
 

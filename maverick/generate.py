@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from maverick.cli import UserError, positive_int, run_cli
 from maverick.kv_cache import KVCache
 from maverick.model import Llama4
 
@@ -66,6 +67,23 @@ def prefill(model: Llama4, cache: KVCache, prompts: Sequence[Sequence[int]], **k
     out = model(tokens, cache=cache, logits=(lens - 1)[:, None], **kw)
     cache.truncate(lens)
     return out.logits[:, 0], out
+
+
+def check_lengths(
+    prompts: Sequence[Sequence[int]], max_new_tokens: int, context: int, what: str = "prompt"
+) -> None:
+    """Before any work: a negative count is a bug of the caller's; a prompt that, with its new tokens,
+    runs past the target's context (max_position_embeddings) is the user's, named with its length."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    for b, p in enumerate(prompts):
+        if len(p) + max_new_tokens > context:
+            row = f" {b}" if len(prompts) > 1 else ""
+            raise UserError(
+                f"{what}{row} is {len(p)} tokens; with {max_new_tokens} new tokens that runs past the "
+                f"target's context of {context} tokens (max_position_embeddings): shorten it or lower "
+                "--max-new-tokens"
+            )
 
 
 def decode_window(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_len: int) -> int:
@@ -120,6 +138,7 @@ class Decoder:
         finished rows from the batch (and the cache) as they end, for throughput jobs; `on_tokens` then
         sees only the live rows, and a compiled step recompiles for each new batch size."""
         B = len(prompts)
+        check_lengths(prompts, max_new_tokens, self.model.config.max_position_embeddings)
         if B != self.cache.batch_size:
             self.cache = self._new_cache(B, self.cache.max_len)
         if max(len(p) for p in prompts) + max_new_tokens > self.cache.max_len:
@@ -171,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--tokenizer", default=None,
                     help="GGUF file or HF directory with the tokenizer (default: the target's own)")  # fmt: skip
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-new-tokens", type=positive_int, default=256)
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-k", type=int, default=0)
@@ -194,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         ids = encode_chat(tok, [{"role": "user", "content": args.prompt}])
     else:
         ids = tok.encode(args.prompt)
+    check_lengths([ids], args.max_new_tokens, model.config.max_position_embeddings, "--prompt")
     dec = Decoder(model, max_len=len(ids) + args.max_new_tokens + 8, compile=args.compile)
     gen = torch.Generator().manual_seed(args.seed)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
@@ -219,4 +239,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from maverick.cli import UserError
 from maverick.config import Llama4Config
 
 ARCHITECTURE = "LlamaForCausalLM"
@@ -78,11 +79,11 @@ def _rope(d: dict[str, Any], source: str) -> tuple[float, dict | None]:
     if rtype == "default":
         return theta, None
     if rtype != "llama3":
-        raise ValueError(f"{source}: {field}.rope_type is {rtype!r}; supported: 'default', 'llama3'")
+        raise UserError(f"{source}: {field}.rope_type is {rtype!r}; supported: 'default', 'llama3'")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [k for k in keys if k not in rp]
     if missing:
-        raise ValueError(f"{source}: llama3 {field} lacks {', '.join(f'{field}.{k}' for k in missing)}")
+        raise UserError(f"{source}: llama3 {field} lacks {', '.join(f'{field}.{k}' for k in missing)}")
     scaling = {"rope_type": "llama3"} | {k: float(rp[k]) for k in keys[:3]}
     scaling["original_max_position_embeddings"] = int(rp["original_max_position_embeddings"])
     return theta, scaling
@@ -92,18 +93,18 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Llama4Conf
     """Our dense Llama-4-family config for an HF LlamaConfig dict; unsupported fields are errors naming them."""
     archs = d.get("architectures") or [ARCHITECTURE]
     if archs != [ARCHITECTURE] or d.get("model_type", MODEL_TYPE) != MODEL_TYPE:
-        raise ValueError(
+        raise UserError(
             f"{source}: architectures={archs} model_type={d.get('model_type')!r}; supported: "
             f"[{ARCHITECTURE!r}] (model_type 'llama') or Llama4ForCausalLM / Llama4ForConditionalGeneration"
         )
     for flag in ("attention_bias", "mlp_bias"):
         if d.get(flag):
-            raise ValueError(f"{source}: {flag}=true is not supported (our Llama linears have no biases)")
+            raise UserError(f"{source}: {flag}=true is not supported (our Llama linears have no biases)")
     if d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{source}: hidden_act={d['hidden_act']!r} is not supported (SwiGLU with silu only)")
+        raise UserError(f"{source}: hidden_act={d['hidden_act']!r} is not supported (SwiGLU with silu only)")
     for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if k not in d:
-            raise ValueError(f"{source}: required field {k!r} is missing")
+            raise UserError(f"{source}: required field {k!r} is missing")
     theta, scaling = _rope(d, source)
     L, nH = int(d["num_hidden_layers"]), int(d["num_attention_heads"])
     I = int(d["intermediate_size"])
@@ -149,7 +150,7 @@ def check_plain(cfg: Llama4Config) -> None:
     if cfg.attn_temperature_tuning:
         bad.append("attn_temperature_tuning=true")
     if bad:
-        raise ValueError(f"not a plain Llama, cannot save in the {ARCHITECTURE} layout: {', '.join(bad)}")
+        raise UserError(f"not a plain Llama, cannot save in the {ARCHITECTURE} layout: {', '.join(bad)}")
 
 
 def hf_config(cfg: Llama4Config, dtype: torch.dtype) -> dict[str, Any]:
@@ -216,24 +217,24 @@ def from_hf(sd: dict[str, Tensor], cfg: Llama4Config, source: str = "checkpoint"
             n = _heads(cfg, ours)
             if ours.endswith(_PERMUTED):
                 if t.ndim != 2 or t.shape[0] % n or (t.shape[0] // n) % 2:
-                    raise ValueError(
+                    raise UserError(
                         f"{source}: key {key!r} has shape {tuple(t.shape)}, not [{n} heads x even head_dim, H]"
                     )
                 t = to_interleaved(t, n)
             out[ours] = t
         elif key.endswith(".bias"):
             flag = "attention_bias" if ".self_attn." in key else "mlp_bias"
-            raise ValueError(f"{source}: key {key!r}: biases are not supported (config {flag})")
+            raise UserError(f"{source}: key {key!r}: biases are not supported (config {flag})")
         else:
             unknown.append(key)
     if unknown:
         more = " ..." if len(unknown) > 5 else ""
-        raise ValueError(f"{source}: unexpected key(s) for {ARCHITECTURE} {sorted(unknown)[:5]}{more}")
+        raise UserError(f"{source}: unexpected key(s) for {ARCHITECTURE} {sorted(unknown)[:5]}{more}")
     if cfg.tie_word_embeddings and "lm_head.weight" in out:
         if not torch.equal(
             out["lm_head.weight"], out.get("model.embed_tokens.weight", out["lm_head.weight"])
         ):
-            raise ValueError(
+            raise UserError(
                 f"{source}: tie_word_embeddings=true but key 'lm_head.weight' differs from "
                 "'model.embed_tokens.weight'"
             )
@@ -256,5 +257,5 @@ def to_hf(sd: dict[str, Tensor], cfg: Llama4Config) -> dict[str, Tensor]:
                 t = to_half_split(t, _heads(cfg, key))
             out[f"model.layers.{m.group(1)}.{_OUR_LAYER_KEYS[m.group(2)]}"] = t
         else:
-            raise ValueError(f"key {key!r} has no place in the {ARCHITECTURE} layout")
+            raise UserError(f"key {key!r} has no place in the {ARCHITECTURE} layout")
     return out

@@ -73,6 +73,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from maverick.checkpoint import CheckpointError, _safetensors_files, _text_key
+from maverick.cli import UserError, run_cli
 from maverick.config import Llama4Config, get_config
 from maverick.kv_cache import KVCache
 from maverick.model import EXACT_ATTENTION_MAX_T, DecoderLayer, Llama4, MoE, Output, rope_inv_freq
@@ -548,12 +549,12 @@ def main(argv: list[str] | None = None) -> None:
         try:
             cfg = get_config(name)
         except KeyError as e:
-            ap.exit(2, f"error: {e.args[0]}\n")
+            raise UserError(f"--configs: {e.args[0]}") from None
         for fp8 in (False, True):
             try:
                 r = memory_report(cfg, args.world, fp8, args.context)
             except ValueError as e:
-                ap.exit(2, f"error: {e}\n")
+                raise UserError(str(e)) from None
             rows.append({"config": name, **r})
     if args.json:
         for r in rows:
@@ -572,4 +573,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from maverick.checkpoint import load_hf, load_hf_tables
+from maverick.cli import UserError
 from maverick.config import Llama4Config
 from maverick.gguf_loader import default_gguf_path
 from maverick.gguf_model import load_gguf_model
@@ -62,7 +63,7 @@ def load_target(
     p = _resolve(path)
     if p.is_dir():
         if q4:
-            raise ValueError(f"{p}: q4 packs a GGUF file's Q4/Q8 weights; an HF directory has none")
+            raise UserError(f"{p}: q4 packs a GGUF file's Q4/Q8 weights; an HF directory has none")
         return load_hf(p, dtype=dtype, device=device)
     return load_gguf_model(p, dtype=dtype, device=device, q4=q4)
 

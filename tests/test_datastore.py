@@ -155,8 +155,8 @@ def test_bench_store_methods_and_the_draft_directory(target, tmp_path):
 
     d = make_draft(target)
     save_draft(d, tmp_path / "draft")
-    Datastore([[1, 2, 3, 4]]).save(tmp_path / "draft" / "datastore.safetensors")
-    load_draft(tmp_path / "draft")  # the datastore beside the weights is not read as draft weights
+    Datastore([[1, 2, 3, 4]]).save(tmp_path / "draft.datastore.safetensors")  # beside the directory
+    load_draft(tmp_path / "draft")
     args = SimpleNamespace(compile_draft=False, temperature=0.0, top_k=0, top_p=1.0, tree_depth=5,
                            tree_top_k=6, tree_tokens=24, draft=str(tmp_path / "draft"), datastore=None)  # fmt: skip
     dec = build_decoder("eagle3-tuned+lookup+store", target, d, 64, args)

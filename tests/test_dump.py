@@ -175,12 +175,14 @@ def test_corrupt_shard_names_the_file(tmp_path):
     # the manifest updated to the truncated size: the safetensors header still gives it away
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     manifest["shards"][1]["bytes"] = len(raw) - 100
+    manifest["bytes"] -= 100  # the totals too (else check_manifest_totals refuses it first)
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(DumpError, match="shard-00001.safetensors.*truncated or corrupt"):
         DumpDataset(tmp_path)
     # same size, flipped bytes in the data: only the checksum sees it
     shard.write_bytes(raw[:-10] + bytes(10))
     manifest["shards"][1]["bytes"] = len(raw)
+    manifest["bytes"] += 100
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     DumpDataset(tmp_path)
     with pytest.raises(DumpError, match="shard-00001.safetensors: sha256"):

@@ -26,6 +26,7 @@ from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.spec import SpecDecoder, TreeConfig
 from eagle3.tuner import FixedK
 from maverick.checkpoint import load_hf, save_hf
+from maverick.cli import run_cli
 from maverick.config import get_config
 from maverick.fp8_experts import convert_experts_to_fp8
 from maverick.generate import Decoder
@@ -267,7 +268,7 @@ def test_report_cli(capsys):
     parallel_main(["--report", "--configs", "maverick-400b"])
     assert "50,103,178,240" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
-        parallel_main(["--configs", "tiny-moe", "--world", "3"])
+        run_cli(parallel_main, ["--configs", "tiny-moe", "--world", "3"])
     assert e.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: num_attention_heads=4 does not split over 3 ranks"

@@ -38,6 +38,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from maverick.cli import UserError, read_utf8
 from maverick.tokenizer import render_chat_text
 from maverick.wheel_data import wheel_data_path
 
@@ -173,7 +174,7 @@ def _scan_json_array(text: str, where: str) -> tuple[list[Any], int | None]:
     """
     start = _SEPARATORS.match(text, 0).end()
     if not text.startswith("[", start):
-        raise ValueError(f"{where}: expected a JSON array ('[') at the start of the file")
+        raise UserError(f"{where}: expected a JSON array ('[') at the start of the file")
     closed = text.rstrip().endswith("]")
     decoder = json.JSONDecoder()
     elements: list[Any] = []
@@ -189,7 +190,7 @@ def _scan_json_array(text: str, where: str) -> tuple[list[Any], int | None]:
         except json.JSONDecodeError as exc:
             if closed:
                 byte = len(text[: exc.pos].encode("utf-8"))
-                raise ValueError(
+                raise UserError(
                     f"{where}: invalid JSON in record {len(elements)} at byte {byte}: {exc.msg}"
                 ) from exc
             return elements, i
@@ -258,13 +259,13 @@ def load_sharegpt(path: str | pathlib.Path | None = None) -> tuple[list[dict[str
 
 def _iter_chat_records(path: pathlib.Path) -> Iterator[tuple[str, Any]]:
     """(location, record) pairs; location is 'line N' for JSONL, 'record N' for a JSON array."""
-    text = path.read_text(encoding="utf-8")
+    text = read_utf8(path)
     stripped = text.lstrip()
     if path.suffix != ".jsonl" and stripped.startswith("["):
         records, tail = _scan_json_array(text, str(path))
         if tail is not None:
             line = text.count("\n", 0, tail) + 1
-            raise ValueError(f"{path}: record {len(records)} (line {line}) is incomplete: file truncated?")
+            raise UserError(f"{path}: record {len(records)} (line {line}) is incomplete: file truncated?")
         for n, record in enumerate(records):
             yield f"record {n}", record
         return
@@ -282,7 +283,7 @@ def _iter_chat_records(path: pathlib.Path) -> Iterator[tuple[str, Any]]:
         try:
             yield f"line {n}", json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: line {n}: invalid JSON: {exc.msg} (column {exc.colno})") from exc
+            raise UserError(f"{path}: line {n}: invalid JSON: {exc.msg} (column {exc.colno})") from exc
 
 
 def load_chats(path: str | pathlib.Path) -> list[dict[str, Any]]:
@@ -299,11 +300,11 @@ def load_chats(path: str | pathlib.Path) -> list[dict[str, Any]]:
         try:
             conv, n_leading = normalise_chat(record)
         except MalformedChat as exc:
-            raise ValueError(f"{path}: {where}: {exc}") from exc
+            raise UserError(f"{path}: {where}: {exc}") from exc
         leading += n_leading
         conversations.append(conv)
     if not conversations:
-        raise ValueError(f"{path}: no conversations")
+        raise UserError(f"{path}: no conversations")
     if leading:
         log.warning("%s: dropped %d assistant turns that came before the first user turn", path, leading)
     return conversations

@@ -1,12 +1,14 @@
 """Build a retrieval datastore (eagle3/datastore.py) from chat data: the assistant turns, as token ids.
 
     python -m train.datastore --data runs/regen/all-v2.jsonl,runs/regen/new-c.jsonl \\
-        --out eagle3/drafts/smollm2-135m-instruct/datastore.safetensors
+        --out eagle3/drafts/smollm2-135m-instruct.datastore.safetensors
 
 Each conversation is rendered with the target's chat template exactly as the target reads it
 (train/data.py: render_chat) and each assistant span of its loss mask (the content and its closing
 `<|im_end|>`) becomes one run of the store, so a proposal may end a turn the way the target does. Feed it
 the target's OWN answers (`python -m train.regenerate`): the store drafts what the target would write.
+Put it beside the draft directory (`<draft dir>.datastore.safetensors`, where eval.bench looks by default),
+not inside it: vLLM loads every *.safetensors file in a draft directory.
 Conversations in the held-out split of train/data.py are left out (the `sharegpt-heldout` benchmark
 draws from it).
 """
@@ -18,6 +20,7 @@ import logging
 import time
 
 from eagle3.datastore import Datastore
+from maverick.cli import run_cli
 from train.data import DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED, is_heldout, load_chats, render_chat
 
 log = logging.getLogger(__name__)
@@ -85,4 +88,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

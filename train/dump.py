@@ -41,7 +41,6 @@ import logging
 import math
 import os
 import struct
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -53,6 +52,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from maverick.cli import UserError, positive_int, run_cli
 from maverick.model import Llama4
 from maverick.target import TARGET_DTYPES, TARGET_HELP, default_target_path, load_target, target_identity
 from train.samples import add_data_args, chat_samples, draft_vocab_from
@@ -71,7 +71,7 @@ _ST_DTYPES = {"input_ids": ("I32",), "loss_mask": ("U8",), "target_argmax": ("I3
               "sample_index": ("I64",), "features": ("BF16", "F16"), "hidden": ("BF16", "F16")}  # fmt: skip
 
 
-class DumpError(ValueError):
+class DumpError(UserError):
     """A dump directory or shard that cannot be used; the message names the file."""
 
 
@@ -479,6 +479,33 @@ def _check_same_dump(first: Path, a: Mapping[str, Any], other: Path, b: Mapping[
             )
 
 
+def check_manifest_totals(directory: Path, m: Mapping[str, Any]) -> None:
+    """The manifest's totals (samples, tokens, bytes, shard count) must be those of its shard list, and a
+    complete dump's shards must cover its samples in order: an edited or mixed-up manifest is refused."""
+    path = directory / MANIFEST
+    shards = m.get("shards", [])
+    for key in ("samples", "tokens", "bytes"):
+        listed = sum(int(e.get(key, 0)) for e in shards)
+        if key in m and m[key] != listed:
+            raise DumpError(f"{path}: {key} is {m[key]} but its shard list sums to {listed}")
+    if not m.get("complete"):
+        return
+    if len(shards) != m.get("num_shards"):
+        raise DumpError(
+            f"{path}: complete with num_shards {m.get('num_shards')} but {len(shards)} shards listed"
+        )
+    first = 0
+    for e in shards:
+        if e.get("first_sample") != first:
+            raise DumpError(
+                f"{path}: shard {e.get('file')} starts at sample {e.get('first_sample')}, expected {first}"
+            )
+        first += int(e["samples"])
+    n = (m.get("data") or {}).get("num_samples")
+    if n is not None and n != first:
+        raise DumpError(f"{path}: data.num_samples is {n} but the shards hold {first} samples")
+
+
 class DumpDataset:
     """Map-style dataset over a dump directory: item i is sample i as a dict of the stored fields
     (memory-mapped; only the rows of that sample are read).
@@ -506,6 +533,7 @@ class DumpDataset:
         self.shards = []
         for d in dirs:
             md = read_manifest(d)
+            check_manifest_totals(d, md)
             _check_same_dump(self.directory, self.manifest, d, md)
             if not md.get("complete") and not allow_partial:
                 raise DumpError(
@@ -570,9 +598,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", default="bf16", choices=sorted(STORE_DTYPES), help="stored features / hidden")
     p.add_argument("--feature-layers", default=None, help="comma-separated (default 2,L//2,L-3)")
-    p.add_argument("--shard-size", type=int, default=256, help="samples per shard")
-    p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per target forward")
-    p.add_argument("--draft-vocab-size", type=int, default=8192)
+    p.add_argument("--shard-size", type=positive_int, default=256, help="samples per shard")
+    p.add_argument("--batch-tokens", type=positive_int, default=4096, help="padded tokens per target forward")
+    p.add_argument("--draft-vocab-size", type=positive_int, default=8192)
     p.add_argument(
         "--threads",
         type=int,
@@ -601,6 +629,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if args.feature_layers
         else default_feature_layers(cfg.num_hidden_layers)
     )
+    from eagle3.draft import check_feature_layers
+
+    check_feature_layers(layers, cfg.num_hidden_layers, "--feature-layers")
     d2t, t2d, coverage = draft_vocab_from(train_split, cfg.vocab_size, args.draft_vocab_size)
     target = target_identity(target_path) | {"dtype": args.target_dtype, "hidden_size": cfg.hidden_size,
                                              "num_hidden_layers": cfg.num_hidden_layers, "vocab_size": cfg.vocab_size}  # fmt: skip
@@ -623,4 +654,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_cli(main)

@@ -25,7 +25,13 @@ DDP; FSDP via an accelerate config). The draft's embeddings are the target's, fr
 Outputs in --out: `train_log.jsonl` (a line per logged step), `checkpoints/step-NNNNNNN/` (the draft in
 the EAGLE-3 format + `training_state.pt` with optimizer, scheduler, step, RNG and data position,
 written to a temporary name and renamed), `draft/` (the final draft), `curve.png`, tracker logs.
-`--resume` continues from the latest checkpoint and ends bit-identical to an uninterrupted run.
+`--resume` continues from the latest checkpoint and ends bit-identical to an uninterrupted run. An --out
+that holds an earlier run (a log, checkpoints or a draft) is refused unless `--resume` or `--overwrite`
+(which deletes them first): two runs never mix in one directory.
+
+Guards against silent corruption: dump shards are checked against the manifest's sha256 before training
+(`--no-verify-dumps` skips the full read), and a step whose loss or gradient norm is not finite stops the
+run before the optimizer applies it, with an error naming the step and the last good checkpoint.
 
 Shape legend: B batch, T tokens, H hidden, V target vocab, V' draft vocab, S unroll steps.
 """
@@ -42,7 +48,6 @@ import math
 import os
 import random
 import shutil
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,6 +62,7 @@ from torch import Tensor, nn
 
 from eagle3.draft import DraftConfig, Eagle3Draft, load_draft, save_draft
 from maverick.checkpoint import atomic_dir
+from maverick.cli import UserError, positive_int, run_cli
 from maverick.config import Llama4Config
 from maverick.target import TARGET_DTYPES, default_target_path, load_target_tables, target_identity
 from train.dump import DumpDataset
@@ -110,6 +116,8 @@ class FitConfig:
     draft_vocab_size: int = 8192
     target_dtype: str = "bf16"
     online_args: dict | None = None
+    overwrite: bool = False  # --out may hold an earlier run: delete it first (else refuse unless resume)
+    verify_dumps: bool = True  # sha256 of every dump shard against its manifest before training
 
     def resume_view(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in RESUME_KEYS}
@@ -355,6 +363,30 @@ def save_checkpoint(out: Path, step: int, draft: Eagle3Draft, state: dict[str, A
     return final
 
 
+RUN_FILES = (LOG_FILE, "checkpoints", "draft", "curve.png")  # what a run leaves in --out
+
+
+def prepare_out(cfg: FitConfig) -> None:
+    """Create --out; one that holds an earlier run is refused unless resuming or `overwrite` (then the
+    earlier run's files are deleted, by the main process)."""
+    out = Path(cfg.out)
+    held = [n for n in RUN_FILES if (out / n).is_file() or (out / n).is_dir() and any((out / n).iterdir())]
+    if held and not cfg.resume:
+        if not cfg.overwrite:
+            raise UserError(
+                f"--out {out} holds an earlier run ({', '.join(held)}): pass --resume to continue it, "
+                "--overwrite to delete it and start again, or choose another --out"
+            )
+        if int(os.environ.get("RANK", "0")) == 0:
+            for n in held:
+                shutil.rmtree(out / n) if (out / n).is_dir() else (out / n).unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+class NonFiniteStep(UserError):
+    """A step whose loss or gradient norm is not finite (diverged, or corrupt data)."""
+
+
 def find_checkpoint(out: Path, resume: str) -> Path | None:
     """resume="auto": the latest complete checkpoint under out/checkpoints (None if there is none)."""
     if resume != "auto":
@@ -477,7 +509,7 @@ def train(
 
     `step_callback(step, record)` runs after every optimizer step (e.g. to watch progress; an exception
     there stops the run like a crash would, without a checkpoint)."""
-    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    prepare_out(cfg)
     acc = _make_accelerator(cfg)
     try:
         return _train(
@@ -530,7 +562,7 @@ class _Run:
         saved = state["config"]
         diff = {k: (saved.get(k), v) for k, v in self.cfg.resume_view().items() if saved.get(k) != v}
         if diff:
-            raise ValueError(f"{ck / STATE_FILE}: cannot resume with different settings (saved, now): {diff}")
+            raise UserError(f"{ck / STATE_FILE}: cannot resume with different settings (saved, now): {diff}")
         if (
             state["data"]["fingerprint"] != self.fingerprint
             or state["data"]["world_batch"] != self.global_batch
@@ -606,6 +638,13 @@ class _Run:
                 acc.backward((ce * norm).sum())
             sums += torch.stack((ce.detach().float(), correct))
         grad_norm = acc.clip_grad_norm_(self.objective.parameters(), cfg.grad_clip)
+        sums = acc.reduce(sums, reduction="sum")  # the same on every process, so all stop together
+        if not (torch.isfinite(sums[0]).all() and torch.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteStep(
+                f"step {step + 1}: loss {(sums[0] / counts.clamp(min=1)).tolist()} (per unroll step), "
+                f"gradient norm {float(grad_norm)}: not finite"
+            )
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -613,7 +652,6 @@ class _Run:
         if self.fp8_sync is not None:
             self.fp8_sync(self.draft)
 
-        sums = acc.reduce(sums, reduction="sum")
         n_tok = int(acc.reduce(sum(b.attention_valid.sum() for b in mbs), reduction="sum"))
         dt = time.perf_counter() - t0
         c = counts.clamp(min=1).float()
@@ -694,7 +732,17 @@ def _train(acc, cfg, data, vocab, embed_weight, lm_head_weight, target_cfg, eval
     stop = min(cfg.steps, cfg.stop_after) if cfg.stop_after is not None else cfg.steps
     last, tokens, t_run = start, 0, time.perf_counter()
     for step in range(start, stop):
-        record = run.step(step)
+        try:
+            record = run.step(step)
+        except NonFiniteStep as exc:
+            if bar is not None:
+                bar.close()
+            good = find_checkpoint(run.out, "auto")
+            kept = f"the last good checkpoint is {good}" if good else "no checkpoint was written before it"
+            raise NonFiniteStep(
+                f"{exc}; stopped before applying it ({kept}; nothing was saved after it). Check the data "
+                "(dumps: drop --no-verify-dumps) or lower --lr, then --resume"
+            ) from exc
         last, tokens = step + 1, tokens + record["tokens"]
         if eval_data is not None and cfg.eval_every and (last % cfg.eval_every == 0 or last == cfg.steps):
             record |= evaluate(run.objective, eval_data, run.lm_rows, run.t2d, cfg, acc)
@@ -790,15 +838,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory (log, checkpoints, draft, curve.png)")
     p.add_argument("--target", default=None, help="target: a llama .gguf file or an HF checkpoint directory "
                    "(default: the one the dumps name; online: SmolLM2-135M-Instruct GGUF)")  # fmt: skip
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=4, help="samples per process per micro-batch")
-    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--steps", type=positive_int, default=1000)
+    p.add_argument("--batch-size", type=positive_int, default=4, help="samples per process per micro-batch")
+    p.add_argument("--grad-accum", type=positive_int, default=1)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--warmup", type=int, default=50, help="linear warmup steps, then cosine")
     p.add_argument("--min-lr-ratio", type=float, default=0.0)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--grad-clip", type=float, default=0.5)
-    p.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll steps")
+    p.add_argument("--ttt-steps", type=positive_int, default=7, help="training-time-test unroll steps")
     p.add_argument("--decay", type=float, default=0.8, help="loss weight of unroll step i: decay**i")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="bf16 autocast or fp32")
@@ -808,6 +856,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--tracker", choices=("none", "tensorboard", "wandb"), default="wandb",
                    help="wandb runs offline (never the network)")  # fmt: skip
+    p.add_argument("--overwrite", action="store_true",
+                   help="--out holds an earlier run: delete its log, checkpoints and draft first (else refused)")  # fmt: skip
+    p.add_argument("--no-verify-dumps", action="store_true",
+                   help="skip the sha256 check of every dump shard before training (reads all the dumps once)")  # fmt: skip
     p.add_argument("--resume", nargs="?", const="auto", default=None,
                    help="continue from the latest checkpoint in --out (or the given checkpoint directory)")  # fmt: skip
     p.add_argument("--stop-after", type=int, default=None, help="stop after this step (checkpointed)")
@@ -849,6 +901,7 @@ def config_from_args(args: argparse.Namespace) -> FitConfig:
         eval_every=args.eval_every, fp8=args.fp8, init_std=args.init_std, init_draft=args.init_draft, progress=not args.no_progress, cpu=args.cpu,
         draft_vocab_size=args.draft_vocab_size, target_dtype=args.target_dtype,
         online_args={k: getattr(args, k) for k in online_keys} | {"max_length": args.max_length or 1024} if args.online else None,
+        overwrite=args.overwrite, verify_dumps=not args.no_verify_dumps,
     )  # fmt: skip
 
 
@@ -860,16 +913,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cfg = config_from_args(args)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({"config": dataclasses.asdict(cfg)}), flush=True)
-    eval_data = DumpDataset(cfg.eval_dumps) if cfg.eval_dumps else None
+    if cfg.dumps and cfg.verify_dumps and int(os.environ.get("RANK", "0")) == 0:
+        print(
+            "checking every dump shard's sha256 against its manifest (--no-verify-dumps skips it)", flush=True
+        )
+    eval_data = DumpDataset(cfg.eval_dumps, verify=cfg.verify_dumps) if cfg.eval_dumps else None
     if cfg.dumps:
-        data = DumpDataset(cfg.dumps)
+        data = DumpDataset(cfg.dumps, verify=cfg.verify_dumps)
         target = data.manifest["target"]
         target_path = cfg.target or target.get("path")
         dtype = TARGET_DTYPES.get(target.get("dtype", "fp32"), torch.float32)
         embed, head, tcfg = target_tensors(target_path, dtype)
         if cfg.target is None and "size" in target:
             if target_identity(target_path)["size"] != target["size"]:
-                raise ValueError(
+                raise UserError(
                     f"{target_path}: size differs from the one recorded in {data.directory}/manifest.json"
                 )
         vocab = data.vocab()
@@ -890,4 +947,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_cli(main)

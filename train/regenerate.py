@@ -9,6 +9,9 @@ far, turn by turn, in batches (prompts of one batch may differ in length: see ma
 
 Output: JSONL of {"id", "messages"} (OpenAI form; `train.data.load_chats` reads it). Resumable: the file
 is appended batch by batch, a cut-off last line is dropped on restart, and ids already present are skipped.
+An answer with no text (the target's first token was EOS) is not written: `load_chats` rejects an empty
+turn. The conversation ends before that user turn, and `<out stem>.skipped.jsonl` records it
+({"id", "turn", "reason"}; a rerun does not try it again); the summary counts them (`empty_answers`).
 """
 
 from __future__ import annotations
@@ -22,10 +25,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from maverick.cli import positive_int, run_cli
 from maverick.generate import Decoder
 from maverick.target import TARGET_HELP, load_target, load_target_tokenizer
 from maverick.tokenizer import encode_chat
 from train.data import DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED, is_heldout, load_chats, load_sharegpt
+
+
+def skipped_path(out: Path) -> Path:
+    """Where the empty answers of `out` are recorded: chats.jsonl -> chats.skipped.jsonl."""
+    return out.with_name(out.stem + ".skipped.jsonl")
 
 
 def _read_done(path: Path) -> set[str]:
@@ -66,7 +75,7 @@ def regenerate(
     tok = load_target_tokenizer(target)
     eos = model.config.eos_ids
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = _read_done(out)
+    done = _read_done(out) | _read_done(skipped_path(out))
     todo = [c for c in conversations if c["id"] not in done and user_turns(c, turns, max_user_chars)]
     # sort by first-turn length within blocks of 8 batches, so a batch holds similar lengths (less padding
     # in the prefill) while the blocks keep the given order: a run stopped early answered every length
@@ -79,12 +88,13 @@ def regenerate(
     dec = Decoder(model, max_len=max_prompt_tokens + max_new_tokens + 8, batch_size=batch_size, exact=False)
     n_tokens, t0 = 0, time.perf_counter()
     bar = tqdm(total=len(todo), desc="regenerate", unit="conv")
-    n_done = 0
+    n_done, empty = 0, 0
     for i in range(0, len(todo), batch_size):
         if max_seconds is not None and i and time.perf_counter() - t0 >= max_seconds:
             break
         batch = todo[i : i + batch_size]
         msgs = [[] for _ in batch]
+        skipped = []  # {"id", "turn", "reason"} of the empty answers
         live = list(range(len(batch)))
         for turn in range(turns):
             live = [j for j in live if len(user_turns(batch[j], turns, max_user_chars)) > turn]
@@ -100,17 +110,31 @@ def regenerate(
             if not live:
                 break
             gen = dec.generate(prompts, max_new_tokens, stop_ids=eos, drop_finished=True)
+            answered = []
             for j, ids in zip(live, gen.tokens):
                 n_tokens += len(ids)
-                msgs[j].append({"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)})
+                text = tok.decode(ids, skip_special_tokens=True)
+                if not text.strip():  # load_chats would reject the turn: end the conversation before it
+                    msgs[j].pop()
+                    skipped.append(
+                        {"id": batch[j]["id"], "turn": turn + 1, "reason": f"empty answer ({ids[:4]})"}
+                    )
+                    continue
+                msgs[j].append({"role": "assistant", "content": text})
+                answered.append(j)
+            empty += len(live) - len(answered)
             # a turn cut at max_new_tokens ends the conversation there
-            live = [j for j, ids in zip(live, gen.tokens) if ids and ids[-1] in eos]
+            ends = {j for j, ids in zip(live, gen.tokens) if ids and ids[-1] in eos}
+            live = [j for j in answered if j in ends]
         with out.open("a") as f:
             for c, m in zip(batch, msgs):
                 if any(x["role"] == "assistant" for x in m):
                     f.write(json.dumps({"id": c["id"], "messages": m}) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        if skipped:
+            with skipped_path(out).open("a") as f:
+                f.writelines(json.dumps(s) + "\n" for s in skipped)
         n_done += len(batch)
         bar.update(len(batch))
         bar.set_postfix(tok_s=f"{n_tokens / (time.perf_counter() - t0):.0f}")
@@ -119,6 +143,7 @@ def regenerate(
         "conversations": n_done,
         "left": len(todo) - n_done,
         "new_tokens": n_tokens,
+        "empty_answers": empty,
         "seconds": round(time.perf_counter() - t0, 1),
     }
 
@@ -127,11 +152,11 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--data", default=None, help="JSON/JSONL chats (default: ShareGPT from its wheel)")
-    ap.add_argument("--max-samples", type=int, default=2000)
-    ap.add_argument("--turns", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=384)
-    ap.add_argument("--max-prompt-tokens", type=int, default=768)
-    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--max-samples", type=positive_int, default=2000)
+    ap.add_argument("--turns", type=positive_int, default=2)
+    ap.add_argument("--max-new-tokens", type=positive_int, default=384)
+    ap.add_argument("--max-prompt-tokens", type=positive_int, default=768)
+    ap.add_argument("--batch-size", type=positive_int, default=32)
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--target", "--gguf", dest="target", default=None, help=TARGET_HELP)
     ap.add_argument("--seed", type=int, default=0, help="which conversations are taken (train split only)")
@@ -169,4 +194,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import random
-import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -45,10 +44,15 @@ import torch
 import torch.nn.functional as F
 
 from eagle3.draft import DraftConfig, Eagle3Draft, load_draft, save_draft
+from maverick.cli import UserError, run_cli
 from maverick.model import Llama4
+from maverick.target import default_target_path, load_target
 from train import answers as answer_file
+from train.dump import default_feature_layers
 from train.fastfit import Buckets, TimeSchedule, bucket_batches, dense_step_sums, target_batch, weighted_loss
 from train.fastgen import Conversation, FastGenerator
+from train.fit import plot_curves
+from train.samples import draft_vocab_from
 
 ANSWERS = "answers.jsonl.xz"
 STATE = "stage.json"
@@ -56,8 +60,8 @@ TRAIN_STATE = "train_state.pt"
 LOG = "train_log.jsonl"
 
 
-class StageError(ValueError):
-    """A user-caused problem (paths, data): printed as one `error:` line, exit status 2."""
+class StageError(UserError):
+    """A user-caused problem (paths, data): printed as one `error:` line, exit status 2 (maverick/cli.py)."""
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -117,8 +121,6 @@ class Stage:
         self.data = load_data(args.data)
         self.earlier = earlier_answers(self.init, self.data)
         t = time.perf_counter()
-        from train.dump import default_target_path, load_target
-
         target = Path(args.target) if args.target else default_target_path()
         self.model: Llama4 = load_target(target, self.dtype, str(self.device)).eval()
         self.state["target"] = str(target)
@@ -222,8 +224,6 @@ class Stage:
     def build_draft(self, samples: list[dict]) -> Eagle3Draft:
         if self.init is not None:
             return load_draft(draft_dir(self.init), dtype=torch.float32, device=str(self.device))
-        from train.dump import default_feature_layers, draft_vocab_from
-
         cfg = self.model.config
         flat = [
             {"input_ids": torch.as_tensor(s["input_ids"]), "loss_mask": torch.as_tensor(s["loss_mask"])}
@@ -342,8 +342,6 @@ class Stage:
         bf16 = load_draft_like(draft).to(torch.bfloat16)
         save_draft(bf16, self.out / "draft", {"training.json": info})
         if log_path.exists():
-            from train.fit import plot_curves
-
             recs = [json.loads(x) for x in log_path.read_text().splitlines() if x.strip()]
             if recs:
                 plot_curves(recs, self.out / "curve.png")
@@ -518,19 +516,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        if args.init_draft:
-            draft_dir(Path(args.init_draft))
-        stage = Stage(args, t0)
-        print(json.dumps({"config": {k: v for k, v in vars(args).items()}, "device": str(stage.device),
-                          "earlier_answers": len(stage.earlier), "data_records": len(stage.data)}), flush=True)  # fmt: skip
-        state = stage.run()
-    except StageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    if args.init_draft:
+        draft_dir(Path(args.init_draft))
+    stage = Stage(args, t0)
+    print(json.dumps({"config": {k: v for k, v in vars(args).items()}, "device": str(stage.device),
+                      "earlier_answers": len(stage.earlier), "data_records": len(stage.data)}), flush=True)  # fmt: skip
+    state = stage.run()
     print(json.dumps({k: v for k, v in state.items() if k != "config"}), flush=True)
     return state
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -34,7 +34,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from maverick.cli import run_cli
+from maverick.tokenizer import encode_chat, load_tokenizer
 from train import answers as answer_file
+from train.data import DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED, is_heldout, load_chats, load_sharegpt
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +47,6 @@ MAX_USER_CHARS = 2000  # as train.regenerate: a few long pastes would otherwise 
 def user_segment(tok, before: Sequence[Mapping[str, str]], user: str) -> list[int]:
     """The ids that follow an answer's end-of-turn token for the next user turn `user` (chat template),
     up to the generation prompt. `before`: the chat so far, ending with an assistant message."""
-    from maverick.tokenizer import encode_chat
-
     msgs = [dict(m) for m in before]
     full = encode_chat(tok, msgs + [{"role": "user", "content": user}])
     base = encode_chat(tok, msgs, add_generation_prompt=False)
@@ -61,8 +62,6 @@ def conversation_record(
 ):
     """{"id", "prompts"[, "answers"]} of a chat {"id", "messages"}; None if it has no user turn (or, with
     answers, no answered one). Leading system messages stay in the first prompt."""
-    from maverick.tokenizer import encode_chat
-
     msgs = conv["messages"]
     system = [m for m in msgs[:1] if m["role"] == "system"]
     rest = msgs[len(system) :]
@@ -97,8 +96,6 @@ def read_chats(path: str) -> list[dict[str, Any]]:
     import lzma
     import tempfile
 
-    from train.data import load_chats
-
     if not path.endswith(".xz"):
         return load_chats(path)
     with tempfile.TemporaryDirectory() as d:
@@ -108,9 +105,6 @@ def read_chats(path: str) -> list[dict[str, Any]]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    from maverick.tokenizer import load_tokenizer
-    from train.data import DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED, is_heldout, load_sharegpt
-
     ap = argparse.ArgumentParser(prog="python -m train.stage_data", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--out", required=True, type=Path, help="the id records (.jsonl.xz)")
@@ -172,4 +166,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -1,0 +1,107 @@
+"""How every `python -m ...` entry point reports a user's mistake: one line on stderr, exit status 2.
+
+A user who names a missing file, a corrupt checkpoint or an out-of-range option should read what is
+wrong and where, not a Python traceback; a bug in our code should still show its traceback. The two are
+told apart by type: code that checks what the user gave raises `UserError` (a `ValueError`, so library
+callers and tests that expect `ValueError` keep working) with a message that names the file, line, key
+or option; `run_cli` prints it as `error: <message>` and exits 2, like argparse does for a bad option.
+Missing or unreadable files (`FileNotFoundError`, `PermissionError`, `IsADirectoryError`,
+`NotADirectoryError`) count as the user's too: their message names the path. Everything else is a bug
+and propagates with its traceback.
+
+`--debug` (anywhere on the command line; it is removed before `main` parses) or the environment variable
+MAVERICK_DEBUG=1 shows the traceback of a user error as well.
+
+A new CLI needs two lines:
+
+    from maverick.cli import UserError, run_cli
+    ...
+    if __name__ == "__main__":
+        run_cli(main)
+
+where `main(argv)` parses `argv` (a list without the program name) and returns None, a result (exit
+status 0) or an int exit status. Checks of what the user gave raise `UserError(...)`; `positive_int` /
+`nonnegative_int` are argparse types that reject out-of-range counts before any work starts.
+`read_utf8(path)` reads a text file and names the file, line and column of a byte that is not UTF-8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+USER_ERROR_STATUS = 2
+DEBUG_FLAG = "--debug"
+DEBUG_ENV = "MAVERICK_DEBUG"
+# OS errors caused by a path the user gave; their message carries the path
+_USER_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+class UserError(ValueError):
+    """A mistake in what the user gave (a file, an option, a config key); the message names it and says
+    what is wrong. `run_cli` prints it without a traceback."""
+
+
+def debug_enabled(argv: Sequence[str] = ()) -> bool:
+    return DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def run_cli(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None) -> NoReturn:
+    """Run `main(argv)` as a command: exit with its int status (0 for anything else it returns); a
+    UserError (or a missing / unreadable file) becomes `error: ...` on stderr and exit status 2."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = debug_enabled(args)
+    args = [a for a in args if a != DEBUG_FLAG]
+    try:
+        result = main(args)
+    except (UserError, *_USER_OS_ERRORS) as exc:
+        if debug:
+            raise
+        print(f"error: {user_message(exc)}", file=sys.stderr, flush=True)
+        sys.exit(USER_ERROR_STATUS)
+    sys.exit(result if isinstance(result, int) and not isinstance(result, bool) else 0)
+
+
+def user_message(exc: BaseException) -> str:
+    """One line: an OSError as '<path>: <reason>' unless its message already names the path."""
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}"
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def read_utf8(path: str | os.PathLike) -> str:
+    """The text of a UTF-8 file; a byte that is not UTF-8 is a UserError naming the file, line and column."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        col = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise UserError(
+            f"{path}: line {line}, byte {col} of the line: not UTF-8 (0x{data[exc.start]:02x}); "
+            "save the file as UTF-8"
+        ) from exc
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (counts such as --max-new-tokens, --steps)."""
+    return _int_at_least(text, 1)
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+    return value

@@ -1,0 +1,308 @@
+"""Bad inputs a new user meets, each stopped with one line that names the file, line, key or option
+(maverick/cli.py), before any work where that is possible; and the decoders' out-of-range counts."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3.draft import load_draft
+from eagle3.spec import SpecDecoder, TreeConfig
+from maverick.cli import UserError, read_utf8, run_cli
+from maverick.generate import Decoder, Generation
+from tests.test_draft import make
+from tests.test_spec import make_draft, make_target
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target()
+
+
+def exit_status(main, argv, capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as e:
+        run_cli(main, argv)
+    return e.value.code, capsys.readouterr().err
+
+
+# ---- the mechanism ----
+
+
+def test_run_cli_user_error_is_one_line_and_status_2(capsys, monkeypatch):
+    monkeypatch.delenv("MAVERICK_DEBUG", raising=False)
+
+    def main(argv):
+        raise UserError(f"{argv[0]}: line 3: bad\n  (wrapped)")
+
+    code, err = exit_status(main, ["f.jsonl"], capsys)
+    assert code == 2 and err == "error: f.jsonl: line 3: bad (wrapped)\n"
+    code, err = exit_status(lambda argv: open(argv[0]), ["/no/such/file"], capsys)
+    assert code == 2 and err == "error: /no/such/file: No such file or directory\n"
+    with pytest.raises(UserError):  # --debug: the traceback, and main never sees the flag
+        run_cli(main, ["f.jsonl", "--debug"])
+    monkeypatch.setenv("MAVERICK_DEBUG", "1")
+    with pytest.raises(UserError):
+        run_cli(main, ["f.jsonl"])
+    monkeypatch.delenv("MAVERICK_DEBUG")
+
+    def bug(argv):
+        raise KeyError(100)
+
+    with pytest.raises(KeyError):  # a bug keeps its traceback
+        run_cli(bug, [])
+    assert exit_status(lambda argv: 1, [], capsys)[0] == 1
+    assert exit_status(lambda argv: {"summary": 1}, [], capsys)[0] == 0
+
+
+def _main_calls(path: Path) -> list[str]:
+    """The statements under `if __name__ == "__main__":` of a module, as source."""
+    tree = ast.parse(path.read_text())
+    for node in tree.body:
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+            return [ast.unparse(s) for s in node.body]
+    return []
+
+
+def test_every_entry_point_runs_through_run_cli():
+    mains = [
+        p
+        for d in ("maverick", "eagle3", "eval", "train")
+        for p in sorted((ROOT / d).glob("*.py"))
+        if _main_calls(p)
+    ]
+    assert (
+        len(mains) >= 9
+    )  # generate, bench, acceptance, compare_runs, bench_fp8_gemm, dump, fit, regenerate, datastore
+    for p in mains:
+        assert "run_cli(main)" in _main_calls(p), (
+            f"{p.relative_to(ROOT)}: __main__ does not call run_cli(main)"
+        )
+
+
+# ---- out-of-range counts ----
+
+
+@pytest.mark.parametrize(
+    "module, argv, option",
+    [
+        ("maverick.generate", ["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens"),
+        ("maverick.generate", ["--prompt", "hi", "--max-new-tokens", "-3"], "--max-new-tokens"),
+        ("eval.bench", ["--max-new-tokens", "0"], "--max-new-tokens"),
+        ("eval.acceptance", ["--draft", "d", "--steps", "0"], "--steps"),
+        ("train.regenerate", ["--out", "x.jsonl", "--max-new-tokens", "0"], "--max-new-tokens"),
+    ],
+)
+def test_counts_below_one_are_refused_before_work(module, argv, option, capsys):
+    import importlib
+
+    code, err = exit_status(importlib.import_module(module).main, argv, capsys)
+    assert code == 2 and f"argument {option}: must be >= 1, got" in err and "Traceback" not in err
+
+
+def test_decoders_emit_nothing_for_zero_new_tokens_and_refuse_negative(target):
+    prompt = [[5, 9, 2, 7, 11]]
+    eos = target.config.eos_ids
+    for dec in (
+        Decoder(target, max_len=64),
+        SpecDecoder(target, make_draft(target), max_len=128),
+        SpecDecoder(target, make_draft(target), max_len=128, tree=TreeConfig(2, 2, 4)),
+    ):
+        g = dec.generate(prompt, 0, stop_ids=eos)
+        assert isinstance(g, Generation) and g.tokens == [[]] and g.new_tokens == 0
+        assert len(dec.generate(prompt, 1, stop_ids=()).tokens[0]) == 1  # the control: 1 means one
+        with pytest.raises(ValueError, match="max_new_tokens must be >= 0, got -1"):
+            dec.generate(prompt, -1)
+
+
+def test_prompt_over_the_targets_context_is_refused(target):
+    ctx = target.config.max_position_embeddings
+    long = [[3] * (ctx + 10)]
+    spec = SpecDecoder(target, make_draft(target), max_len=ctx + 200)
+    for dec in (Decoder(target, max_len=ctx + 200), spec):
+        with pytest.raises(UserError, match=rf"prompt is {ctx + 10} tokens; .*context of {ctx} tokens"):
+            dec.generate(long, 4)
+
+
+def test_generate_cli_prompt_over_the_context(capsys):
+    from maverick import generate
+
+    code, err = exit_status(generate.main, ["--prompt", "word " * 9000, "--max-new-tokens", "4"], capsys)
+    assert code == 2
+    assert err.startswith("error: --prompt is 9") and "past the target's context of 8192 tokens" in err
+
+
+def test_aux_layer_past_the_target_is_refused_at_construction(target):
+    draft = make_draft(target)
+    draft.config.feature_layers = (1, 2, 100)
+    L = target.config.num_hidden_layers
+    with pytest.raises(
+        UserError,
+        match=rf"eagle_aux_hidden_state_layer_ids \[1, 2, 100\].*\[100\] outside the target's {L} layers",
+    ):
+        SpecDecoder(target, draft)
+    from eagle3.draft import check_feature_layers
+
+    check_feature_layers((0, 2, L), L)  # the state after the last layer (index L) is a feature too
+    with pytest.raises(
+        UserError, match=r"^--feature-layers \[2, 99\] name layer\(s\) \[99\] outside the target's 30"
+    ):
+        check_feature_layers((2, 99), 30, "--feature-layers")  # train.dump's option
+
+
+# ---- eval.bench: prompts over --max-prompt-tokens ----
+
+
+def test_bench_refuses_a_long_prompt_before_loading_models(tmp_path, capsys):
+    from eval import bench
+
+    f = tmp_path / "p.jsonl"
+    f.write_text(
+        json.dumps({"id": "short", "prompt": "Hi."})
+        + "\n"
+        + json.dumps({"id": "long", "prompt": "word " * 200})
+        + "\n"
+    )
+    argv = ["--bench", "jsonl", "--prompts", str(f), "--methods", "ours-plain", "--max-prompt-tokens", "64",
+            "--turns", "1", "--out", str(tmp_path / "r")]  # fmt: skip
+    code, err = exit_status(bench.main, argv, capsys)
+    assert (
+        code == 2
+        and err.startswith("error: --bench jsonl: prompt long turn 1 is 2")
+        and "--long-prompts truncate" in err
+    )
+    assert not (tmp_path / "r").exists()
+
+
+def test_bench_truncation_is_explicit_and_counted():
+    from types import SimpleNamespace
+
+    from eval.bench import fit_prompt
+
+    cut: list[str] = []
+    args = SimpleNamespace(max_prompt_tokens=4, long_prompts="truncate")
+    assert fit_prompt([1, 2, 3], args, "a", cut) == [1, 2, 3] and cut == []
+    assert fit_prompt([1, 2, 3, 4, 5, 6], args, "b", cut) == [3, 4, 5, 6] and cut == ["b"]
+    with pytest.raises(UserError, match="b: 6 tokens, over --max-prompt-tokens 4"):
+        fit_prompt([1, 2, 3, 4, 5, 6], SimpleNamespace(max_prompt_tokens=4, long_prompts="error"), "b", [])
+
+
+# ---- files that are not what they claim ----
+
+
+def test_non_utf8_chat_and_prompt_files_name_the_file_and_line(tmp_path):
+    from eval.prompts import load_jsonl_prompts
+    from train.data import load_chats
+
+    good = json.dumps(
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+    )
+    f = tmp_path / "chats.jsonl"
+    f.write_bytes((good + "\n" + good + "\n").encode() + b'{"prompt": "caf\xe9"}\n')
+    with pytest.raises(UserError, match=rf"{f}: line 3, byte 16 of the line: not UTF-8 \(0xe9\)"):
+        load_chats(f)
+    with pytest.raises(UserError, match=rf"{f}: line 3, byte 16"):
+        load_jsonl_prompts(f)
+    f.write_bytes(f.read_bytes().replace(b"\xe9", "\u00e9".encode()))  # the control: the same text in UTF-8
+    assert read_utf8(f).endswith('"caf\u00e9"}\n') and len(load_jsonl_prompts(f)) == 3
+
+
+def test_truncated_draft_weights_name_the_path(tmp_path):
+    _, path = make(tmp_path)
+    w = path / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:-1000])
+    with pytest.raises(UserError, match=rf"{w}: not a readable safetensors file .*truncated or corrupt"):
+        load_draft(path)
+
+
+def test_invalid_draft_config_names_the_path_and_line(tmp_path):
+    _, path = make(tmp_path)
+    c = path / "config.json"
+    c.write_text(c.read_text().replace('"num_hidden_layers": 1,', '"num_hidden_layers": 1'))
+    with pytest.raises(UserError, match=rf"{c}: invalid JSON: Expecting ',' delimiter \(line \d+"):
+        load_draft(path)
+    c.write_text("[1, 2]")
+    with pytest.raises(UserError, match=rf"{c}: expected a JSON object"):
+        load_draft(path)
+
+
+def test_two_draft_ids_on_one_target_token_are_refused(tmp_path):
+    _, path = make(tmp_path)
+    sd = load_file(str(path / "model.safetensors"))
+    d2t = sd["d2t"].clone()
+    ids = torch.arange(len(d2t)) + d2t
+    d2t[6] = ids[5] - 6  # draft ids 5 and 6 both map to ids[5]; t2d's count still equals the draft vocab
+    save_file(dict(sd, d2t=d2t), str(path / "model.safetensors"))
+    with pytest.raises(
+        UserError, match=rf"d2t maps draft ids \[5, 6\] to the same target token {int(ids[5])}"
+    ):
+        load_draft(path)
+
+
+# ---- train.regenerate: answers that are empty ----
+
+
+def test_regenerate_skips_and_records_empty_answers(target, tmp_path, monkeypatch):
+    import train.regenerate as regen
+    from maverick.tokenizer import load_tokenizer
+    from train.data import load_chats
+
+    tok = load_tokenizer()
+
+    class EOSFirst(Decoder):
+        """The target whose first token is EOS for the first conversation (others answer 'Hi.')."""
+
+        def generate(self, prompts, max_new_tokens, sampling=None, stop_ids=(), *a, **kw):
+            eos = stop_ids[0]
+            first = [p for p in prompts if tok.decode(p).count("Say nothing")]
+            rows = [[eos] if p in first else tok.encode("Hi.") + [eos] for p in prompts]
+            return Generation(rows, [len(p) for p in prompts], 0.0, 0.0)
+
+    monkeypatch.setattr(regen, "Decoder", EOSFirst)
+    monkeypatch.setattr(regen, "load_gguf_model", lambda *a, **kw: target)  # the answers are scripted above
+    convs = [{"id": f"c{i}", "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "x"},
+                                         {"role": "user", "content": "And then?"}]}
+             for i, q in enumerate(["Say nothing.", "Say hi."])]  # fmt: skip
+    out = tmp_path / "chats.jsonl"
+    stats = regen.regenerate(
+        convs, out, turns=2, max_new_tokens=8, max_prompt_tokens=64, batch_size=2, dtype=torch.float32
+    )
+    assert stats["empty_answers"] == 1
+    chats = load_chats(out)  # what is written loads: no empty turn
+    assert [c["id"] for c in chats] == ["c1"] and [m["content"] for m in chats[0]["messages"]][1::2] == [
+        "Hi.",
+        "Hi.",
+    ]
+    skipped = [json.loads(x) for x in regen.skipped_path(out).read_text().splitlines()]
+    assert (
+        skipped == [{"id": "c0", "turn": 1, "reason": skipped[0]["reason"]}]
+        and "empty answer" in skipped[0]["reason"]
+    )
+    assert (
+        regen.regenerate(
+            convs, out, turns=2, max_new_tokens=8, max_prompt_tokens=64, batch_size=2, dtype=torch.float32
+        )["conversations"]
+        == 0
+    )
+
+
+@pytest.mark.skipif(os.name != "posix", reason="paths")
+def test_acceptance_refuses_a_draft_before_answering(tmp_path, capsys):
+    from eval import acceptance
+
+    _, path = make(tmp_path)  # a tiny draft: not the SmolLM2 target's (its shapes do not fit)
+    c = json.loads((path / "config.json").read_text())
+    c["eagle_aux_hidden_state_layer_ids"], c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = (
+        [2, 15, 99],
+        [1, 14, 98],
+    )
+    (path / "config.json").write_text(json.dumps(c))
+    code, err = exit_status(acceptance.main, ["--draft", str(path), "--n", "1"], capsys)
+    assert code == 2 and "[99] outside the target's 30 layers" in err and f"{path}/config.json" in err
