@@ -266,7 +266,7 @@ def test_regenerate_skips_and_records_empty_answers(target, tmp_path, monkeypatc
             return Generation(rows, [len(p) for p in prompts], 0.0, 0.0)
 
     monkeypatch.setattr(regen, "Decoder", EOSFirst)
-    monkeypatch.setattr(regen, "load_gguf_model", lambda *a, **kw: target)  # the answers are scripted above
+    monkeypatch.setattr(regen, "load_target", lambda *a, **kw: target)  # the answers are scripted above
     convs = [{"id": f"c{i}", "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "x"},
                                          {"role": "user", "content": "And then?"}]}
              for i, q in enumerate(["Say nothing.", "Say hi."])]  # fmt: skip

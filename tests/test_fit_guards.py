@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import tests.test_fit as tf
-import train.dump as dump
+import train.samples as train_samples
 from maverick.checkpoint import save_hf
 from maverick.cli import UserError
+from maverick.target import target_identity
 from tests.test_fit import ROOT, draft_weights, records, run
 from train.dump import DumpDataset, DumpError, DumpSettings, write_dumps
 from train.fit import NonFiniteStep
@@ -34,10 +35,10 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     model, samples = tf.tiny_target(), tf.tiny_samples(16)
     save_hf(model, root / "target")
-    d2t, t2d, _ = dump.draft_vocab_from(samples, 512, 256)
+    d2t, t2d, _ = train_samples.draft_vocab_from(samples, 512, 256)
     data = {"source": "test", "split": "train", "num_samples": len(samples),
-            "fingerprint": dump.samples_fingerprint(samples)}  # fmt: skip
-    target = dump.target_identity(root / "target") | {"dtype": "fp32"}
+            "fingerprint": train_samples.samples_fingerprint(samples)}  # fmt: skip
+    target = target_identity(root / "target") | {"dtype": "fp32"}
     settings = DumpSettings(target, tf.LAYERS, "bf16", 32, 8, data)
     write_dumps(model, samples, root / "dumps", settings, batch_tokens=1, vocab=(d2t, t2d), progress=False)
     return {"root": root, "model": model, "samples": samples, "vocab": (d2t, t2d)}

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from maverick.checkpoint import save_hf
+from maverick.cli import run_cli
 from maverick.config import get_config
 from maverick.model import Llama4
 from train import answers
@@ -92,7 +93,8 @@ def test_stage_runs_resumes_and_chains(tmp_path):
 
 def test_stage_errors_name_the_path(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        main(
+        run_cli(
+            main,
             [
                 "--minutes",
                 "1",
@@ -102,7 +104,7 @@ def test_stage_errors_name_the_path(tmp_path, capsys):
                 str(tmp_path / "none.xz"),
                 "--device",
                 "cpu",
-            ]
+            ],
         )
     assert e.value.code == 2 and "none.xz" in capsys.readouterr().err
 
