@@ -5,9 +5,16 @@ import torch
 from eagle3.draft import load_draft
 from eagle3.spec import SpecDecoder
 from eagle3.tuner import FixedK
-from eval.acceptance import greedy_answers, run_lengths, summarize, target_detail, target_fields, target_probs
 from maverick.gguf_model import load_gguf_model
 from maverick.tokenizer import encode_chat, load_tokenizer
+from train.acceptance import (
+    greedy_answers,
+    run_lengths,
+    summarize,
+    target_detail,
+    target_fields,
+    target_probs,
+)
 
 DRAFT = "eagle3/drafts/smollm2-135m-instruct"
 

@@ -48,6 +48,7 @@ from maverick.cli import UserError, run_cli
 from maverick.model import Llama4
 from maverick.target import default_target_path, load_target
 from train import answers as answer_file
+from train.acceptance import run_lengths, summarize, target_fields
 from train.dump import default_feature_layers
 from train.fastfit import Buckets, TimeSchedule, bucket_batches, dense_step_sums, target_batch, weighted_loss
 from train.fastgen import Conversation, FastGenerator
@@ -364,8 +365,6 @@ class Stage:
 
     # ---- 3. score ----
     def score(self) -> None:
-        from eval.acceptance import run_lengths, summarize, target_fields
-
         a = self.args
         held = [r for r in self.data if r.get("split") == "heldout"][: a.heldout]
         if not held:
