@@ -25,8 +25,7 @@ from eval.prompts import BENCHMARKS, load_benchmark
 from maverick.cli import positive_int, run_cli
 from maverick.target import TARGET_HELP, load_target, load_target_tokenizer
 from maverick.tokenizer import encode_chat
-from train.acceptance import (  # noqa: F401  (re-exported: the scoring functions live in train)
-    CONFIDENT,
+from train.acceptance import (
     greedy_answers,
     run_lengths,
     summarize,
