@@ -340,7 +340,7 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     # warm-up: one short generation per method (allocations, lazy init, compile)
     warm = encode_chat(tok, [{"role": "user", "content": "Say hello."}])
-    for r in runners.values():
+    for r in tqdm(runners.values(), desc="warm-up", unit="method", file=sys.stderr):
         r.run(warm, 8, gen)
 
     records: list[RunRecord] = []
