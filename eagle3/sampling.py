@@ -9,8 +9,9 @@ with probability min(1, p(x)/q(x)), and on rejection replaced by a sample of nor
 is distributed exactly as p. Applied position by position along a chain, the emitted sequence has
 the target's distribution; after k acceptances the target's distribution at position k gives one
 extra "bonus" token for free. The SAME temperature / top-k / top-p processing must be applied to the
-target logits and the draft logits (``logits_to_probs`` for both), otherwise the output follows the
-processed target only by accident.
+target logits and the draft logits (``maverick.sampling.logits_to_probs`` for both: the basic rules live
+down the stack, where plain decoding uses them too), otherwise the output follows the processed target
+only by accident.
 
 Trees (SpecInfer, Miao et al. 2024): the children of a node are i.i.d. draws from the draft q at
 that node. Try them in order; a rejected child turns the target into the residual
@@ -32,15 +33,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from maverick.sampling import sample
+
 __all__ = [
-    "SamplingParams",
-    "logits_to_probs",
-    "sample",
     "verify_chain_greedy",
     "verify_chain_sampling",
     "verify_tree_greedy",
@@ -48,64 +47,6 @@ __all__ = [
     "tree_attention_mask",
     "tree_depths",
 ]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How logits become a distribution; one instance is applied to BOTH draft and target.
-
-    temperature == 0 means greedy (a one-hot of the argmax); top_k == 0 and top_p == 1.0 switch the
-    respective filter off.
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"SamplingParams.temperature must be finite and >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1] (1 = off), got {self.top_p}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Logits [..., V] -> float32 probabilities [..., V]: temperature, then top-k, then top-p.
-
-    Top-k keeps every token whose logit ties the k-th largest (as HF does), so it may keep more than
-    k. Top-p keeps the smallest prefix of the sorted distribution whose mass reaches top_p: a token
-    is kept iff the mass strictly before it is < top_p, so the most likely token always survives.
-    The result is renormalised after each filter.
-    """
-    x = logits.float()  # [..., V]
-    V = x.shape[-1]
-    if params.greedy:
-        return F.one_hot(x.argmax(-1), V).to(torch.float32)
-    x = x / params.temperature
-    if 0 < params.top_k < V:
-        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)  # [..., V]
-    if params.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)  # [..., V]
-        mass_before = sorted_p.cumsum(-1) - sorted_p
-        drop_sorted = mass_before >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One draw per distribution: probs [..., V] (need not be normalised) -> long [...]."""
-    flat = probs.reshape(-1, probs.shape[-1])  # [R, V]
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -40,9 +40,6 @@ from eagle3.datastore import Datastore
 from eagle3.draft import Eagle3Draft, check_feature_layers
 from eagle3.lookup import LookupConfig, NgramIndex
 from eagle3.sampling import (
-    SamplingParams,
-    logits_to_probs,
-    sample,
     tree_attention_mask,
     verify_chain_greedy,
     verify_chain_sampling,
@@ -52,6 +49,7 @@ from eagle3.sampling import (
 from eagle3.tuner import FixedK
 from maverick.generate import Generation, check_lengths, decode_window, prefill
 from maverick.model import Llama4
+from maverick.sampling import SamplingParams, logits_to_probs, sample
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The main job: speed and quality of every decoding method, side by side, in one run.
 
     python -m eval.bench                       # MT-bench, SmolLM2-135M-Instruct + the shipped draft
+    python -m eval.bench --preset quick        # 3 questions, 7 methods: ~5 minutes on 2 cores
     python -m eval.bench --bench humaneval --n 20 --methods ours-plain,eagle3-tuned
 
 Methods run alternately prompt by prompt (the order rotates each prompt) so machine drift cancels out;
@@ -23,8 +24,10 @@ without a word is not that benchmark. `--long-prompts truncate` keeps the last -
 tokens instead (the start of the chat, system prompt included, is lost) and the report counts the
 cut turns (config.truncated_turns).
 
-Output: the config first, a progress bar, then the table; report.json (all records), report.md and plots
-in --out.
+Output: the config first, a progress bar, then a compact table (accept@1-3); report.json (all records),
+report.md (every column) and plots in --out. `--preset quick` (make bench) runs 3 questions and the
+methods that tell the story in ~5 minutes on 2 cores; `--preset full` (the default; make bench-full) all
+default methods on 10.
 """
 
 from __future__ import annotations
@@ -44,7 +47,6 @@ from tqdm import tqdm
 from eagle3.datastore import Datastore, beside_draft
 from eagle3.draft import load_draft
 from eagle3.lookup import LookupConfig
-from eagle3.sampling import SamplingParams
 from eagle3.spec import SpecDecoder, TreeConfig
 from eagle3.tuner import DraftLengthTuner, FixedK
 from eval.distcheck import DistCheck, check_method
@@ -62,6 +64,7 @@ from eval.report import (
 )
 from maverick.cli import UserError, positive_int, run_cli
 from maverick.generate import Decoder
+from maverick.sampling import SamplingParams
 from maverick.target import TARGET_HELP, load_hf_reference, load_target, load_target_tokenizer
 from maverick.tokenizer import default_gguf_path, encode_chat
 
@@ -81,6 +84,22 @@ ALL_METHODS = [
     "ours-plain+q4",
     "eagle3-tuned+lookup+q4",
 ]
+# --preset: the methods that tell the story on a few questions, or every default method on ten. quick fits
+# in ~5 minutes on 2 cores (3 questions x 2 turns x 128 tokens x 7 methods: ~800 tokens per method at the
+# tok/s of docs/results.md, plus loading); full is today's 20-minute run. Flags given explicitly win.
+QUICK_METHODS = [
+    "hf-generate",
+    "ours-plain",
+    "eagle3-tuned",
+    "eagle3-tuned+lookup",
+    "eagle3-tree+lookup",
+    "ours-plain+q4",
+    "eagle3-tuned+lookup+q4",
+]
+PRESETS = {
+    "quick": {"n": 3, "methods": ",".join(QUICK_METHODS)},
+    "full": {"n": 10, "methods": ",".join(ALL_METHODS)},
+}
 LOOKUP_SUFFIX = "+lookup"
 STORE_SUFFIX = "+store"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -305,6 +324,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dist-prompts", type=int, default=2, help="prompts in the distribution check")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="report directory (default results/bench-<time>)")
+    ap.add_argument("--preset", choices=list(PRESETS), default="full",
+                    help="quick: 3 questions, 7 methods (make bench, ~5 min); full: the defaults above "
+                         "(make bench-full, ~20 min); explicit --n / --methods override it")  # fmt: skip
+    ap.set_defaults(**PRESETS[ap.parse_known_args(argv)[0].preset])
     args = ap.parse_args(argv)
 
     if args.threads:
@@ -357,7 +380,7 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     # warm-up: one short generation per method (allocations, lazy init, compile)
     warm = encode_chat(tok, [{"role": "user", "content": "Say hello."}])
-    for r in runners.values():
+    for r in tqdm(runners.values(), desc="warm-up", unit="method", file=sys.stderr):
         r.run(warm, 8, gen)
 
     records: list[RunRecord] = []
@@ -410,7 +433,7 @@ def main(argv=None) -> int:
     paths = write_report(records, summaries, config, out_dir)
     print(f"\ntarget {Path(gguf).name}, dtype {args.dtype}, {len(prompts)} prompts x {args.turns} turns, "
           f"max_new_tokens {args.max_new_tokens}, temperature {args.temperature}")  # fmt: skip
-    ok = print_table(summaries)
+    ok = print_table(summaries, compact=True)
     if cut:
         print(f"{len(cut)} prompt turns were cut to their last {args.max_prompt_tokens} tokens (--long-prompts "
               f"truncate), e.g. {cut[0]}")  # fmt: skip
@@ -419,7 +442,8 @@ def main(argv=None) -> int:
         print(f"distribution check {c.method} prompt {c.prompt_id}: TV of the 2nd token {c.tv:.3f} "
               f"(bound {c.bound:.3f}, {c.samples} samples, {c.buckets} buckets): {verdict}")  # fmt: skip
         ok = ok and c.passed
-    print(f"report: {paths['json']}  {paths['markdown']}")
+    print(f"report (every column): {paths['json']}  {paths['markdown']}")
+    print(f"plots: {paths['speedup']}  {paths['acceptance']}  {paths['draft_length']}")
     print(json.dumps({s.method: {"tok_s": round(s.tokens_per_s, 2), "tau": s.tau} for s in summaries}))
     return 0 if ok else 1
 

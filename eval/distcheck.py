@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle3.sampling import SamplingParams, logits_to_probs
 from maverick.generate import prefill
 from maverick.model import Llama4
+from maverick.sampling import SamplingParams, logits_to_probs
 
 
 @dataclass

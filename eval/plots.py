@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-if TYPE_CHECKING:
-    from eval.report import MethodSummary
+from eval.summary import MethodSummary
 
 
 def _figure(width: float = 7.0, height: float = 4.0) -> tuple[Figure, object]:

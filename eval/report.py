@@ -25,9 +25,11 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterable, Sequence
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TextIO
+
+from eval.summary import MethodSummary
 
 RED = "\033[31m"
 BOLD_RED = "\033[1;31m"
@@ -96,49 +98,6 @@ class RunRecord:
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"RunRecord: unknown field(s) {unknown}")
-        return cls(**data)
-
-
-@dataclass
-class MethodSummary:
-    """Aggregates of one method over all its records; None where a number does not apply."""
-
-    method: str
-    baseline: str
-    hf_baseline: str
-    dtype: str  # distinct dtypes of the records, comma-joined
-    prompts: int
-    generations: int  # records, i.e. (prompt, turn) pairs
-    new_tokens: int
-    seconds: float
-    tokens_per_s: float
-    speedup: float | None  # tokens/s over the baseline's, on the (prompt, turn) pairs both ran
-    speedup_mean: float | None  # mean over shared prompts of per-prompt tokens/s ratios
-    speedup_hf: float | None
-    speedup_hf_mean: float | None
-    cycles: int
-    tau: float | None  # mean over cycles of accepted + 1
-    accept_rates: list[float]  # [i - 1]: acceptance rate at draft position i
-    draft_length_counts: list[int]  # [k]: cycles that drafted k tokens
-    mean_draft_length: float | None
-    draft_share: float | None  # draft_seconds / seconds
-    verify_share: float | None
-    mean_ttft: float
-    peak_memory_mb: float
-    compared: int | None  # (prompt, turn) pairs the baseline also ran
-    mismatches: int | None
-    mismatch_details: list[dict]  # {"prompt_id", "turn", "index"} per differing output
-    first_mismatch_index: int | None  # token index of the first difference in the first mismatch
-    reference: str = ""  # the method whose outputs the mismatches are counted against ("" = baseline)
-    lookup_share: float | None = None  # share of cycles drafted by prompt lookup (None: no lookup)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> MethodSummary:
-        names = {f.name for f in fields(cls)}
-        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
-        unknown, missing = sorted(set(data) - names), sorted(required - set(data))
-        if unknown or missing:
-            raise ValueError(f"MethodSummary: unknown field(s) {unknown}, missing field(s) {missing}")
         return cls(**data)
 
 
@@ -323,13 +282,26 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
-def table_rows(summaries: Sequence[MethodSummary]) -> tuple[list[str], list[list[str]]]:
-    """Header and formatted cells shared by the markdown and terminal tables."""
+COMPACT_ACCEPT_POSITIONS = 3
+
+
+def table_rows(
+    summaries: Sequence[MethodSummary], compact: bool = False
+) -> tuple[list[str], list[list[str]]]:
+    """Header and formatted cells shared by the markdown and terminal tables.
+
+    compact=True keeps the columns a reader compares at a glance (tok/s, x plain, x HF, tau,
+    accept@1-3, draft share, mismatches): ten in all, whatever the draft lengths; the report files
+    keep every column.
+    """
     k_max = max((len(s.accept_rates) for s in summaries), default=0)
+    if compact:
+        k_max = min(k_max, COMPACT_ACCEPT_POSITIONS)
     header = ["method", "tok/s", "x plain", "x HF", "tau"]
     header += [f"accept@{i}" for i in range(1, k_max + 1)]
-    lookup = any(s.lookup_share is not None for s in summaries)
-    header += ["draft share"] + (["lookup"] if lookup else []) + ["TTFT (s)", "peak MB", "mismatches"]
+    lookup = not compact and any(s.lookup_share is not None for s in summaries)
+    extra = [] if compact else ["TTFT (s)", "peak MB"]
+    header += ["draft share"] + (["lookup"] if lookup else []) + extra + ["mismatches"]
     rows = []
     for s in summaries:
         accept = [_fmt(s.accept_rates[i], ".2f") if i < len(s.accept_rates) else "-" for i in range(k_max)]
@@ -347,7 +319,8 @@ def table_rows(summaries: Sequence[MethodSummary]) -> tuple[list[str], list[list
             + accept
             + [_fmt(None if s.draft_share is None else 100 * s.draft_share, ".1f", "%")]
             + ([_fmt(None if s.lookup_share is None else 100 * s.lookup_share, ".0f", "%")] if lookup else [])
-            + [_fmt(s.mean_ttft, ".3f"), _fmt(s.peak_memory_mb, ".1f"), mismatches]
+            + ([] if compact else [_fmt(s.mean_ttft, ".3f"), _fmt(s.peak_memory_mb, ".1f")])
+            + [mismatches]
         )
     return header, rows
 
@@ -384,13 +357,16 @@ def failures(summaries: Sequence[MethodSummary]) -> list[str]:
     return lines
 
 
-def print_table(summaries: Sequence[MethodSummary], file: TextIO | None = None, color: bool = True) -> bool:
-    """Print an aligned table; mismatches in red and a FAIL line per failing method.
+def print_table(
+    summaries: Sequence[MethodSummary], file: TextIO | None = None, color: bool = True, compact: bool = False
+) -> bool:
+    """Print an aligned table (compact: see `table_rows`); mismatches in red and a FAIL line per failing
+    method.
 
     Returns True when no method's outputs differ from the baseline's.
     """
     file = sys.stdout if file is None else file
-    header, rows = table_rows(summaries)
+    header, rows = table_rows(summaries, compact=compact)
     widths = [max(len(c) for c in col) for col in zip(header, *rows)]
     print(
         "  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(header, widths))), file=file

@@ -15,7 +15,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -23,9 +22,7 @@ from torch import Tensor
 from maverick.cli import UserError, positive_int, run_cli
 from maverick.kv_cache import KVCache
 from maverick.model import Llama4
-
-if TYPE_CHECKING:
-    from eagle3.sampling import SamplingParams
+from maverick.sampling import SamplingParams, logits_to_probs, sample
 
 
 @dataclass
@@ -45,8 +42,6 @@ def pick(logits: Tensor, sampling: SamplingParams | None, generator: torch.Gener
     """logits [B, V] -> next tokens [B]."""
     if sampling is None or sampling.temperature == 0:
         return logits.argmax(dim=-1)
-    from eagle3.sampling import logits_to_probs, sample
-
     return sample(logits_to_probs(logits.float(), sampling), generator)
 
 
@@ -178,7 +173,6 @@ class Decoder:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from eagle3.sampling import SamplingParams
     from maverick.parallel import init_from_env, load_model
     from maverick.target import TARGET_HELP, load_target_tokenizer
     from maverick.tokenizer import encode_chat

@@ -11,11 +11,11 @@ import torch
 from test_spec import accept_all, exact_marginals, make_draft, make_target
 
 import eagle3.spec as spec_mod
-from eagle3.sampling import SamplingParams
 from eagle3.spec import SpecDecoder, TreeConfig
 from eagle3.tuner import FixedK
 from eval.distcheck import bucketed_tv, check_method, second_token_marginal, tv_bound
 from maverick.generate import Decoder
+from maverick.sampling import SamplingParams
 
 V = 16
 PROMPT = [3, 7, 1, 9, 4]

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from eagle3.lookup import LookupConfig, NgramIndex
-from eagle3.sampling import SamplingParams
 from eagle3.spec import SpecDecoder, TreeConfig
 from eagle3.tuner import DraftLengthTuner, FixedK
 from maverick.generate import Decoder
+from maverick.sampling import SamplingParams
 from tests.test_spec import N_ROWS, TV_BOUND, V_SMALL, empirical, exact_marginals, make_draft, make_target
 
 

@@ -18,6 +18,7 @@ from eval.report import (
     load_report,
     print_table,
     summarise,
+    table_rows,
     to_markdown,
     write_report,
 )
@@ -246,6 +247,24 @@ def test_markdown_contains_the_numbers():
         "| eagle3-tuned | 20.00 | 2.00x | 4.00x | 2.50 | 0.75 | 0.50 | 0.33 | 0.00 | 10.0% | 0.300 | 0.0 | 1/1 |"
     )
     assert len(lines) == 6
+
+
+def test_compact_table_keeps_ten_columns_and_the_first_three_positions():
+    summaries = summarise(two_prompt_records())
+    header, rows = table_rows(summaries, compact=True)
+    assert header == [
+        "method", "tok/s", "x plain", "x HF", "tau", "accept@1", "accept@2", "accept@3", "draft share", "mismatches"
+    ]  # fmt: skip
+    # the same cells as the wide table, minus accept@4, TTFT and peak MB
+    assert rows[2] == ["eagle3-k4", "23.08", "3.08x", "6.15x", "3.67", "0.83", "0.67", "0.67", "23.1%", "1/2"]
+    assert rows[0] == ["ours-plain", "7.50", "1.00x", "2.00x", "-", "-", "-", "-", "-", "0/2"]
+    out = io.StringIO()
+    assert print_table(summaries, file=out, compact=True) is False
+    lines = out.getvalue().splitlines()
+    assert lines[0].split() == ["method", "tok/s", "x", "plain", "x", "HF", "tau"] + header[5:8] + [
+        "draft", "share", "mismatches"
+    ]  # fmt: skip
+    assert "TTFT" not in out.getvalue() and "FAIL: eagle3-k4" in out.getvalue()
 
 
 def test_print_table_marks_mismatches_red_and_fails():

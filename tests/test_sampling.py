@@ -1,4 +1,5 @@
-"""Tests for eagle3.sampling: exact greedy cases, hand-computed filters, and losslessness.
+"""Tests for maverick.sampling and eagle3.sampling: exact greedy cases, hand-computed filters, and
+losslessness.
 
 Losslessness is tested statistically on a tiny bigram "language": V = 5 tokens, the target
 p(.|prev) and the draft q(.|prev) are fixed random tables with q deliberately different from p
@@ -14,9 +15,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from eagle3.sampling import (
-    SamplingParams,
-    logits_to_probs,
-    sample,
     tree_attention_mask,
     tree_depths,
     verify_chain_greedy,
@@ -24,6 +22,7 @@ from eagle3.sampling import (
     verify_tree_greedy,
     verify_tree_sampling,
 )
+from maverick.sampling import SamplingParams, logits_to_probs, sample
 
 V = 5
 CTX = 0

@@ -11,12 +11,12 @@ import torch.nn.functional as F
 
 import eagle3.spec as spec_mod
 from eagle3.draft import DraftConfig, Eagle3Draft
-from eagle3.sampling import SamplingParams
 from eagle3.spec import SpecDecoder, TreeConfig
 from eagle3.tuner import DraftLengthTuner, FixedK, HeuristicK
 from maverick.config import get_config
 from maverick.generate import Decoder
 from maverick.model import Llama4
+from maverick.sampling import SamplingParams
 
 FEATURES = (1, 2, 3)
 
@@ -135,7 +135,7 @@ def test_oracle_draft_always_accepted_tree(target):
 def exact_marginals(t, prompt, sampling, V):
     """Exact distributions of the 2nd and 3rd generated tokens (the first two that speculative cycles
     emit; the 1st comes from the prefill): enumerate all V^2 prefixes."""
-    from eagle3.sampling import logits_to_probs
+    from maverick.sampling import logits_to_probs
 
     with torch.no_grad():
         x = torch.tensor([prompt])
