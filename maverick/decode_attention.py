@@ -80,14 +80,27 @@ def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, n_valid: Tensor, bl
     return out
 
 
+def grouped_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """One query per row over a cache: q [B, Hq, 1, D], k/v [B, Hkv, S, D] (may be a strided slice of the
+    cache), mask [B, 1, 1, S] bool -> [B, Hq, 1, D]. The G = Hq // Hkv query heads of a kv head are the G rows
+    of one product, so the keys and values are read once; SDPA with a mask and GQA may take its math path
+    on CUDA, which repeats them per query head first (G times the memory traffic of the step's largest
+    read). Scores and softmax in fp32."""
+    B, Hq, _, D = q.shape
+    Hkv = k.shape[1]
+    scores = (
+        torch.matmul(q.view(B, Hkv, Hq // Hkv, D), k.transpose(-1, -2)).float() * D**-0.5
+    )  # [B, Hkv, G, S]
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
+    return torch.matmul(probs, v).view(B, Hq, 1, D)
+
+
 @functools.cache
 def kernel_ok(device: str, dtype: torch.dtype, Hq: int, Hkv: int, D: int) -> bool:
     """Whether the Triton kernel runs here and agrees with `grouped_decode_attention` (random data, ragged
     lengths, a strided cache slice); False (logged) otherwise."""
     if triton is None or D & (D - 1) or D < 16:
         return False
-    from maverick.model import grouped_decode_attention
-
     try:
         g = torch.Generator(device=device).manual_seed(0)
         B, S = 37, 300
@@ -120,6 +133,4 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, n_valid: Ten
         and kernel_ok(str(q.device), q.dtype, q.shape[1], k.shape[1], q.shape[3])
     ):
         return triton_decode_attention(q, k, v, n_valid)
-    from maverick.model import grouped_decode_attention
-
     return grouped_decode_attention(q, k, v, mask)

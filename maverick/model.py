@@ -149,21 +149,6 @@ class Attention(nn.Module):
         return o.transpose(1, 2).reshape(B, T, -1)
 
 
-def grouped_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """One query per row over a cache: q [B, Hq, 1, D], k/v [B, Hkv, S, D] (may be a strided slice of the
-    cache), mask [B, 1, 1, S] bool -> [B, Hq, 1, D]. The G = Hq // Hkv query heads of a kv head are the G rows
-    of one product, so the keys and values are read once; SDPA with a mask and GQA may take its math path
-    on CUDA, which repeats them per query head first (G times the memory traffic of the step's largest
-    read). Scores and softmax in fp32."""
-    B, Hq, _, D = q.shape
-    Hkv = k.shape[1]
-    scores = (
-        torch.matmul(q.view(B, Hkv, Hq // Hkv, D), k.transpose(-1, -2)).float() * D**-0.5
-    )  # [B, Hkv, G, S]
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
-    return torch.matmul(probs, v).view(B, Hq, 1, D)
-
-
 # NOTE (bit-exact speculative decoding): greedy speculative decoding must emit exactly the tokens of
 # plain decoding, so a token's logits must not depend on how many tokens share its forward (1 when
 # decoding, k+1 when verifying, a tree's nodes). Measured on this CPU: bf16 nn.Linear (oneDNN) gives

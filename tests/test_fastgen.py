@@ -126,8 +126,7 @@ def test_cuda_graph_replays_equal_the_eager_step():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_triton_decode_attention_reads_each_rows_keys_only():
-    from maverick.decode_attention import kernel_ok, triton_decode_attention
-    from maverick.model import grouped_decode_attention
+    from maverick.decode_attention import grouped_decode_attention, kernel_ok, triton_decode_attention
 
     assert kernel_ok("cuda:0", torch.bfloat16, 9, 3, 64)
     g = torch.Generator(device="cuda").manual_seed(0)
