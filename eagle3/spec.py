@@ -104,7 +104,9 @@ class SpecDecoder:
     compile_draft: torch.compile the one-token draft step (fixed shapes: it attends over the whole
     preallocated draft cache, so changing k never recompiles). lookup: a LookupConfig to draft by prompt
     lookup where the sequence repeats itself, the EAGLE-3 draft (chain or tree) elsewhere. datastore: a
-    Datastore tried after the sequence itself (needs lookup).
+    Datastore tried after the sequence itself (needs lookup). engine="compiled": the target's decode and
+    verify steps on the compiled engine (maverick/compiled.py; `target` may already be one, shared with a
+    plain `Decoder`); chains only.
     """
 
     def __init__(
@@ -117,7 +119,16 @@ class SpecDecoder:
         compile_draft: bool = False,
         lookup: LookupConfig | None = None,
         datastore: Datastore | None = None,
+        engine: str = "eager",
     ):
+        if engine not in ("eager", "compiled"):
+            raise ValueError(f"engine must be 'eager' or 'compiled', not {engine!r}")
+        if engine == "compiled":
+            from maverick.compiled import compiled_target
+
+            target = compiled_target(target, max_len, draft.config.feature_layers)
+        if tree is not None and getattr(target, "compiled", False):
+            raise ValueError("the compiled engine verifies chains: a tree verify would run eager, other bits")
         if datastore is not None and lookup is None:
             raise ValueError("a datastore extends prompt lookup: pass lookup=LookupConfig() with it")
         if draft.config.vocab_size != target.config.vocab_size:
