@@ -149,6 +149,15 @@ class SpecDecoder:
         self.datastore = datastore
         self.compile_draft = compile_draft
         self.d2t_ids = draft.draft_to_target_ids  # [V'] draft id -> target id
+        rows = getattr(target, "rows", None)  # a compiled engine: every verify must fit its largest bucket
+        pol = self.policy
+        k_max = max(getattr(pol, "choices", None) or [getattr(pol, "k_max", getattr(pol, "k", 8))])
+        if lookup is not None:
+            k_max = max(k_max, lookup.max_tokens, lookup.streak_tokens)
+        if rows is not None and k_max + 1 > rows[-1]:
+            raise ValueError(
+                f"drafts of up to {k_max} tokens: the compiled engine verifies up to {rows[-1] - 1}"
+            )
         self._caches(1)
         self._draft_step = self._draft_step_eager
         if compile_draft:

@@ -263,12 +263,17 @@ class CompiledTarget:
         inputs_embeds: Tensor | None = None,
     ) -> Output:
         """`Llama4.forward`: compiled for a chain of T <= max(rows) tokens on a cache of this engine, eager
-        otherwise (prefill, trees, explicit positions)."""
+        otherwise (a prefill, from an empty cache; trees, explicit positions)."""
         B, T = tokens.shape
         R = self.bucket(T)
+        ours = getattr(cache, "compiled", False)
+        if R is None and ours and bool(cache.lengths.any()):  # eager would change a verify's bits
+            raise ValueError(
+                f"a chain of {T} tokens: the compiled engine's largest bucket is {self.rows[-1]}"
+            )
         if (
             R is None
-            or not getattr(cache, "compiled", False)
+            or not ours
             or positions is not None
             or tree_mask is not None
             or inputs_embeds is not None

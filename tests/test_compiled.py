@@ -121,3 +121,13 @@ def test_engine_option_and_refusals(engine):
     cache.lengths.fill_(cache.max_len - 2)
     with pytest.raises(RuntimeError, match="overflow"):
         engine(torch.zeros(1, 3, dtype=torch.long), cache)
+
+
+def test_drafts_longer_than_the_largest_bucket_are_refused(engine):
+    """A verify past the largest bucket would run eager (other bits): refused up front, and at call time."""
+    with pytest.raises(ValueError, match="verifies up to"):
+        SpecDecoder(engine, make_draft(engine.base), max_len=MAX_LEN, policy=FixedK(engine.rows[-1]))
+    cache = engine.new_cache(1)
+    engine(torch.ones(1, 3, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match="largest bucket"):
+        engine(torch.ones(1, engine.rows[-1] + 1, dtype=torch.long), cache)
