@@ -162,7 +162,9 @@ class SpecDecoder:
         self._draft_step = self._draft_step_eager
         if compile_draft:
             self.dcache.slice_to_bound = False
-            self._draft_step = torch.compile(self._draft_step_eager, dynamic=False)
+            cuda = next(draft.parameters()).is_cuda  # CUDA graphs there: a draft step is launch-bound
+            mode = "reduce-overhead" if cuda else None
+            self._draft_step = torch.compile(self._draft_step_eager, dynamic=False, mode=mode)
 
     def _caches(self, B: int) -> None:
         self.tcache = self.target.new_cache(B, self.max_len)

@@ -46,8 +46,14 @@ DEFAULT_ROWS = (4, 8, 16, 24)  # verify buckets; the decode bucket (1 or 2) is a
 
 
 def use_repo_cache() -> None:
-    """Point inductor's caches at .cache/inductor in the repository unless the user chose a directory."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR))
+    """Point inductor's caches at .cache/inductor in the repository unless the user chose a directory (an
+    earlier torch.compile, e.g. maverick/codes.py's at import, has set the variable to inductor's default
+    in /tmp: that one is replaced; inductor reads the variable at each cache access)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    cur = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if cur is None or os.path.abspath(cur) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(CACHE_DIR)
 
 
 def min_invariant_rows(model: Llama4) -> int:
@@ -164,7 +170,8 @@ class CompiledTarget:
     a padded call at the end; the graphs' fixed key count).
     feature_layers: the states every compiled call returns (a draft's feature layers): plain decoding
     computes them too, so plain and speculative decoding run the same graphs.
-    rows: the verify buckets; the decode bucket (`min_invariant_rows`) is added in front.
+    rows: the verify buckets; the decode bucket (`min_invariant_rows`) is added in front. On CUDA every
+    call runs the largest bucket (a GPU reads the weights once for 1 or 24 rows alike).
     autotune: inductor's max_autotune (CPU GEMM templates; long compiles). cpp_wrapper: inductor's C++
     wrapper instead of the Python one (CPU)."""
 
@@ -190,6 +197,8 @@ class CompiledTarget:
         self.feature_layers = tuple(feature_layers)
         lo = min_invariant_rows(model)
         self.rows = tuple(sorted({lo, *(r for r in rows if r > lo)}))
+        if model.device.type == "cuda":  # GPU matmuls choose kernels by row count; one bucket, ~free there
+            self.rows = (max(self.rows),)
         self.slots = max_len + self.rows[-1]
         self.step = _Step(model, self.feature_layers).eval()
         options = {"freezing": True, "emulate_precision_casts": True}

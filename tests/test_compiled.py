@@ -131,3 +131,21 @@ def test_drafts_longer_than_the_largest_bucket_are_refused(engine):
     engine(torch.ones(1, 3, dtype=torch.long), cache)
     with pytest.raises(ValueError, match="largest bucket"):
         engine(torch.ones(1, engine.rows[-1] + 1, dtype=torch.long), cache)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_engine_keeps_the_bits():
+    """On CUDA the steps replay as CUDA graphs: compiled greedy tokens equal eager's, and speculative
+    decoding on the engine (draft step compiled too) equals plain decoding on it."""
+    target = make_target().cuda()
+    e = CompiledTarget(target, MAX_LEN, FEATURES, rows=ROWS)
+    assert e.rows == (max(ROWS),)
+    draft = make_draft(target).cuda()
+    plain = Decoder(e, max_len=MAX_LEN)
+    spec = SpecDecoder(e, draft, max_len=MAX_LEN, policy=FixedK(3), compile_draft=True)
+    eager = Decoder(target, max_len=MAX_LEN)
+    for p in PROMPTS:
+        want = plain.generate([p], 40).tokens[0]
+        assert spec.generate([p], 40).tokens[0] == want
+        assert eager.generate([p], 40).tokens[0] == want
