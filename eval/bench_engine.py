@@ -80,6 +80,10 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20, help="calls per step timing")
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
     ap.add_argument("--no-spec", action="store_true")
+    ap.add_argument(
+        "--lookup-streak-tokens", type=int, default=20, help="LookupConfig.streak_tokens (10 = off)"
+    )
+    ap.add_argument("--compile-draft", action="store_true", help="compile the draft step too")
     ap.add_argument("--profile", action="store_true", help="profile 20 compiled decode steps (top ops)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
@@ -114,9 +118,14 @@ def main(argv=None) -> int:
         "compiled-plain": Decoder(engine, max_len=args.max_len),
     }
     if not args.no_spec:
-        lookup = LookupConfig(max_tokens=10, streak_tokens=20)
+        lookup = LookupConfig(max_tokens=10, streak_tokens=args.lookup_streak_tokens)
         decoders["compiled-eagle3-tuned+lookup"] = SpecDecoder(
-            engine, draft, max_len=args.max_len, policy=DraftLengthTuner(choices=range(1, 9)), lookup=lookup
+            engine,
+            draft,
+            max_len=args.max_len,
+            policy=DraftLengthTuner(choices=range(1, 9)),
+            lookup=lookup,
+            compile_draft=args.compile_draft,
         )
     runs = {m: [] for m in decoders}
     for i, ids in enumerate(prompts):

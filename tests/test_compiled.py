@@ -149,3 +149,37 @@ def test_cuda_graph_engine_keeps_the_bits():
         want = plain.generate([p], 40).tokens[0]
         assert spec.generate([p], 40).tokens[0] == want
         assert eager.generate([p], 40).tokens[0] == want
+
+
+@pytest.mark.slow
+def test_real_target_compiled_keeps_tokens():
+    """SmolLM2-135M-Instruct bf16 and the shipped draft: 64 greedy tokens on two MT-bench prompts, the
+    compiled engine against eager decoding, and speculative decoding (tuned k + prompt lookup) on the engine
+    against plain decoding on it. Several minutes of compile on 2 cores the first time."""
+    from eagle3.draft import load_draft
+    from eagle3.lookup import LookupConfig
+    from eval.bench import DEFAULT_DRAFT
+    from eval.prompts import load_benchmark
+    from maverick.gguf_model import load_gguf_model
+    from maverick.tokenizer import encode_chat, load_tokenizer
+
+    target = load_gguf_model(dtype=torch.bfloat16)
+    draft = load_draft(DEFAULT_DRAFT, dtype=torch.bfloat16)
+    tok = load_tokenizer()
+    prompts = [
+        encode_chat(tok, [{"role": "user", "content": p["turns"][0]}]) for p in load_benchmark("mtbench", n=2)
+    ]
+    e = CompiledTarget(target, 512, draft.config.feature_layers)
+    eos = target.config.eos_ids
+    eager, plain = Decoder(target, max_len=512), Decoder(e, max_len=512)
+    spec = SpecDecoder(
+        e,
+        draft,
+        512,
+        DraftLengthTuner(choices=range(1, 9)),
+        lookup=LookupConfig(max_tokens=10, streak_tokens=20),
+    )
+    for p in prompts:
+        want = plain.generate([p], 64, None, eos).tokens[0]
+        assert eager.generate([p], 64, None, eos).tokens[0] == want
+        assert spec.generate([p], 64, None, eos).tokens[0] == want
