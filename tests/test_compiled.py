@@ -20,7 +20,7 @@ from maverick.model import Llama4
 
 FEATURES = (1, 2, 3)
 MAX_LEN = 192
-ROWS = (4, 8)
+ROWS = (4,)  # buckets: the decode one (1 or 2 rows) and 4; each is one compile
 
 
 def make_target(seed: int = 0) -> Llama4:
@@ -55,12 +55,12 @@ PROMPTS = [
 
 
 def test_compiled_greedy_tokens_equal_eager(engine):
-    """48 greedy tokens per prompt, the compiled steps against the eager model's exact path."""
+    """32 greedy tokens per prompt, the compiled steps against the eager model's exact path."""
     eager = Decoder(engine.base, max_len=MAX_LEN)
     comp = Decoder(engine, max_len=MAX_LEN)
     for p in PROMPTS:
-        want = eager.generate([p], 48).tokens[0]
-        got = comp.generate([p], 48).tokens[0]
+        want = eager.generate([p], 32).tokens[0]
+        got = comp.generate([p], 32).tokens[0]
         assert got == want, (
             f"prompt {p}: compiled diverges at token {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
         )
@@ -90,20 +90,20 @@ def test_rows_keep_their_bits_in_every_bucket(engine):
             f"logits differ for T={T} (bucket {engine.bucket(T)})"
         )
         assert torch.equal(out.features, ref_feats[:, :T]), f"features differ for T={T}"
-    assert seen == set(engine.rows) - {engine.rows[0]} | ({engine.rows[0]} if engine.rows[0] > 1 else set())
+    assert seen == {r for r in engine.rows if r >= 2}  # every bucket a chain of 2+ tokens can take
 
 
 @pytest.mark.parametrize("policy", ["k3", "tuned"])
 def test_speculative_equals_plain_on_compiled_engine(engine, policy):
     draft = make_draft(engine.base)
     plain = Decoder(engine, max_len=MAX_LEN)
-    pol = FixedK(3) if policy == "k3" else DraftLengthTuner(choices=range(1, 8))
+    pol = FixedK(3) if policy == "k3" else DraftLengthTuner(choices=range(1, 4))
     spec = SpecDecoder(engine, draft, max_len=MAX_LEN, policy=pol)
     for p in PROMPTS:
-        want = plain.generate([p], 40).tokens[0]
-        got = spec.generate([p], 40)
+        want = plain.generate([p], 32).tokens[0]
+        got = spec.generate([p], 32)
         assert got.tokens[0] == want
-        assert got.stats["spec"].cycles < 40  # it did verify several tokens per call at times
+        assert got.stats["spec"].cycles < 32  # it did verify several tokens per call at times
 
 
 def test_engine_option_and_refusals(engine):
