@@ -118,12 +118,14 @@ def main(argv=None) -> int:
         "compiled-plain": Decoder(engine, max_len=args.max_len),
     }
     if not args.no_spec:
-        lookup = LookupConfig(max_tokens=10, streak_tokens=args.lookup_streak_tokens)
+        k_max = min(8, engine.rows[-1] - 1)  # every verify within the largest bucket
+        copy = min(10, k_max)
+        lookup = LookupConfig(max_tokens=copy, streak_tokens=max(copy, min(args.lookup_streak_tokens, k_max)))
         decoders["compiled-eagle3-tuned+lookup"] = SpecDecoder(
             engine,
             draft,
             max_len=args.max_len,
-            policy=DraftLengthTuner(choices=range(1, 9)),
+            policy=DraftLengthTuner(choices=range(1, k_max + 1)),
             lookup=lookup,
             compile_draft=args.compile_draft,
         )

@@ -115,7 +115,7 @@ class _Step(nn.Module):
             h = layer.input_layernorm(x)
             qkv = F.linear(h, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
             o = self._attend(
-                a, qkv, pos, cos, sin, chunk_bias if a.chunked else bias, k_cache[i], v_cache[i], rows
+                a, qkv, pos, cos, sin, chunk_bias if a.chunked else bias, k_cache, v_cache, i, rows
             )
             x = x + F.linear(o, a.o_proj.weight)
             h = layer.post_attention_layernorm(x)
@@ -134,7 +134,7 @@ class _Step(nn.Module):
         return logits, features, h
 
     @staticmethod
-    def _attend(a, qkv, pos, cos, sin, bias, k_cache, v_cache, rows) -> Tensor:
+    def _attend(a, qkv, pos, cos, sin, bias, k_cache, v_cache, layer: int, rows) -> Tensor:
         """`Attention.attend` for the compiled step: qkv [B, T, (Hq + 2 Hkv) D] -> [B, T, Hq D]; this layer's
         cache k/v [B, Hkv, S, D] written at slots `pos`; attention in fp32 over all S slots, `bias` masking."""
         B, T, _ = qkv.shape
@@ -150,14 +150,21 @@ class _Step(nn.Module):
         elif a.temperature_tuning:
             scale = torch.log1p(torch.floor((pos.float() + 1.0) / a.floor_scale)) * a.attn_scale + 1.0
             q = (q * scale[:, :, None, None]).to(q.dtype)
-        # advanced indices (rows, pos) around a slice put their dims first: the target is [B, T, Hkv, D]
-        k_cache[rows, :, pos] = k.to(k_cache.dtype)
-        v_cache[rows, :, pos] = v.to(v_cache.dtype)
+        # one index_put_ on the whole cache (not on a layer's view): inductor then writes the T slots in
+        # place instead of copying the layer (measured: a view's write copied it, and the cache once per step)
+        idx = (
+            torch.full((1, 1, 1), layer, device=pos.device),
+            rows[:, :, None],
+            torch.arange(Hkv, device=pos.device),
+            pos[:, :, None],
+        )
+        k_cache.index_put_(idx, k.to(k_cache.dtype))  # k [B, T, Hkv, D] at [layer, b, h, pos[b, t]]
+        v_cache.index_put_(idx, v.to(v_cache.dtype))
         q_f = q.float().view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
-        k_f = k_cache.float()[:, :, None, None]  # [B, Hkv, 1, 1, S, D]
+        k_f = k_cache[layer].float()[:, :, None, None]  # [B, Hkv, 1, 1, S, D]
         scores = (q_f[:, :, :, :, None] * k_f).sum(-1)  # [B, Hkv, G, T, S]
         probs = (scores * D**-0.5 + bias).softmax(-1)
-        o = (probs[..., None] * v_cache.float()[:, :, None, None]).sum(-2)  # [B, Hkv, G, T, D]
+        o = (probs[..., None] * v_cache[layer].float()[:, :, None, None]).sum(-2)  # [B, Hkv, G, T, D]
         return o.permute(0, 3, 1, 2, 4).reshape(B, T, Hq * D).to(qkv.dtype)
 
 
@@ -207,7 +214,7 @@ class CompiledTarget:
         else:
             options |= {"max_autotune": autotune, "cpp_wrapper": cpp_wrapper}
         self.options = options
-        self._fn = torch.compile(self.step, dynamic=False, fullgraph=True, options=options)
+        self._fn = torch.compile(self.step, dynamic=False, fullgraph=True)
         self.compile_seconds: dict[int, float] = {}  # bucket -> seconds of its first call
 
     # ---- what decoding reads from a model ----
@@ -324,7 +331,8 @@ class CompiledTarget:
         t0 = time.perf_counter() if R not in self.compile_seconds else None
         if self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
-        out = self._fn(tokens, cache.lengths, cache.k, cache.v)
+        with torch._inductor.config.patch(self.options):  # options=... to torch.compile skip freezing (2.13)
+            out = self._fn(tokens, cache.lengths, cache.k, cache.v)
         if self.device.type == "cuda":  # the next replay overwrites a CUDA graph's outputs
             out = tuple(t.clone() for t in out)
         if t0 is not None:
