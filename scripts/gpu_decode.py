@@ -83,6 +83,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--methods", default="eager-plain,eager-eagle3,compiled-plain,compiled-eagle3")
+    ap.add_argument("--rows", default="4,8,16,24", help="the engine's buckets (CUDA runs the largest only)")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script's logic")
     ap.add_argument("--out", default=os.environ.get("OUT", "results/gpu"))
     args = ap.parse_args(argv)
     if args.prepare:
@@ -97,24 +99,25 @@ def main(argv=None) -> int:
     from maverick.generate import Decoder
     from maverick.gguf_model import load_gguf_model
 
-    dev = "cuda"
+    dev = args.device
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result: dict = {"config": vars(args), "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
+    gpu = torch.cuda.get_device_name() if dev == "cuda" else "none"
+    result: dict = {"config": vars(args), "torch": torch.__version__, "gpu": gpu}
     print(json.dumps(result), flush=True)
     prompts = json.loads(Path(args.prompts).read_text())[: args.n]
     target = load_gguf_model(args.gguf, dtype=torch.bfloat16, device=dev)
     draft = load_draft(ROOT / "eagle3" / "drafts" / "smollm2-135m-instruct", dtype=torch.bfloat16, device=dev)
     eos = target.config.eos_ids
     feats = tuple(draft.config.feature_layers)
-    lookup = LookupConfig(max_tokens=10, streak_tokens=20)
     methods = [m for m in args.methods.split(",") if m]
     decoders, errors = {}, {}
     t0 = time.perf_counter()
     engine = None
     if any(m.startswith("compiled") for m in methods):
         try:
-            engine = CompiledTarget(target, args.max_len, feats)
+            rows = tuple(int(r) for r in args.rows.split(","))
+            engine = CompiledTarget(target, args.max_len, feats, rows=rows)
             result["compile_s"] = engine.compile()
         except Exception:
             errors["compile"] = traceback.format_exc(limit=8)
@@ -126,9 +129,12 @@ def main(argv=None) -> int:
         if m.endswith("plain"):
             decoders[m] = Decoder(tgt, max_len=args.max_len)
         else:
-            pol = DraftLengthTuner(choices=range(1, 9))
+            cap = tgt.rows[-1] - 1 if m.startswith("compiled") else 20  # verifies fit the engine's bucket
+            k_max, copy = min(8, cap), min(10, cap)
+            look = LookupConfig(max_tokens=copy, streak_tokens=max(copy, min(20, cap)))
+            pol = DraftLengthTuner(choices=range(1, k_max + 1))
             decoders[m] = SpecDecoder(
-                tgt, draft, args.max_len, policy=pol, lookup=lookup, compile_draft=m.startswith("compiled")
+                tgt, draft, args.max_len, policy=pol, lookup=look, compile_draft=m.startswith("compiled")
             )
     warm = prompts[0][:32]
     for m, dec in list(decoders.items()):  # warm-up: lazy init, the draft step's compile
