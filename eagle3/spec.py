@@ -102,7 +102,9 @@ class SpecDecoder:
     compile_draft: torch.compile the one-token draft step (fixed shapes: it attends over the whole
     preallocated draft cache, so changing k never recompiles). lookup: a LookupConfig to draft by prompt
     lookup where the sequence repeats itself, the EAGLE-3 draft (chain or tree) elsewhere. datastore: a
-    Datastore tried after the sequence itself (needs lookup).
+    Datastore tried after the sequence itself (needs lookup). engine="compiled": the target's decode and
+    verify steps on the compiled engine (maverick/compiled.py; `target` may already be one, shared with a
+    plain `Decoder`); chains only.
     """
 
     def __init__(
@@ -115,7 +117,16 @@ class SpecDecoder:
         compile_draft: bool = False,
         lookup: LookupConfig | None = None,
         datastore: Datastore | None = None,
+        engine: str = "eager",
     ):
+        if engine not in ("eager", "compiled"):
+            raise ValueError(f"engine must be 'eager' or 'compiled', not {engine!r}")
+        if engine == "compiled":
+            from maverick.compiled import compiled_target
+
+            target = compiled_target(target, max_len, draft.config.feature_layers)
+        if tree is not None and getattr(target, "compiled", False):
+            raise ValueError("the compiled engine verifies chains: a tree verify would run eager, other bits")
         if datastore is not None and lookup is None:
             raise ValueError("a datastore extends prompt lookup: pass lookup=LookupConfig() with it")
         if draft.config.vocab_size != target.config.vocab_size:
@@ -137,11 +148,22 @@ class SpecDecoder:
         self.datastore = datastore
         self.compile_draft = compile_draft
         self.d2t_ids = draft.draft_to_target_ids  # [V'] draft id -> target id
+        rows = getattr(target, "rows", None)  # a compiled engine: every verify must fit its largest bucket
+        pol = self.policy
+        k_max = max(getattr(pol, "choices", None) or [getattr(pol, "k_max", getattr(pol, "k", 8))])
+        if lookup is not None:
+            k_max = max(k_max, lookup.max_tokens, lookup.streak_tokens)
+        if rows is not None and k_max + 1 > rows[-1]:
+            raise ValueError(
+                f"drafts of up to {k_max} tokens: the compiled engine verifies up to {rows[-1] - 1}"
+            )
         self._caches(1)
         self._draft_step = self._draft_step_eager
         if compile_draft:
             self.dcache.slice_to_bound = False
-            self._draft_step = torch.compile(self._draft_step_eager, dynamic=False)
+            cuda = next(draft.parameters()).is_cuda  # CUDA graphs there: a draft step is launch-bound
+            mode = "reduce-overhead" if cuda else None
+            self._draft_step = torch.compile(self._draft_step_eager, dynamic=False, mode=mode)
 
     def _caches(self, B: int) -> None:
         self.tcache = self.target.new_cache(B, self.max_len)

@@ -14,6 +14,10 @@ Methods named <method>+fp8 run on an FP8 copy of the target (checked against our
 <method>+q4 on the target with its GGUF linears kept packed (bf16: the Q4 linears in torch's int4 kernel,
 maverick/q4.py; fp32: every quantised linear as one-byte codes, the same weights, maverick/codes.py;
 checked against ours-plain+q4).
+Methods named <method>-compiled (ours-plain-compiled, eagle3-tuned+lookup-compiled, ...) run the target's
+steps on the compiled engine (maverick/compiled.py, compiled once before the prompts; checked against
+ours-plain-compiled). llama.cpp and llama.cpp-prompt-lookup run llama.cpp on the same GGUF file and prompt
+ids, 2 threads, when llama-cpp-python is installed (eval/llama_cpp.py; pip install -e '.[llamacpp]').
 Methods named eagle3-...+lookup draft by prompt lookup where the text repeats itself and with the EAGLE-3
 draft elsewhere (eagle3/lookup.py); eagle3-...+lookup+store also copy from a datastore of the target's own
 answers (eagle3/datastore.py, --datastore) where the sequence itself has no match.
@@ -50,9 +54,11 @@ from eagle3.lookup import LookupConfig
 from eagle3.spec import SpecDecoder, TreeConfig
 from eagle3.tuner import DraftLengthTuner, FixedK
 from eval.distcheck import DistCheck, check_method
+from eval.llama_cpp import LlamaCpp, is_llama_cpp, require
 from eval.prompts import load_benchmark
 from eval.report import (
     BOLD_RED,
+    COMPILED_SUFFIX,
     FP8_SUFFIX,
     Q4_SUFFIX,
     RESET,
@@ -206,13 +212,25 @@ class Runner:
         name = name.removesuffix(variant(name))
         self.name, self.eos, self.hf = name, eos, hf
         self.sampling = sampling_params(args)
-        max_len = args.max_prompt_tokens * 2 + args.max_new_tokens * 2 + 128
-        self.dec = None if name.startswith("hf-") else build_decoder(name, target, draft, max_len, args)
+        max_len = bench_max_len(args)
+        self.llama = None
+        if is_llama_cpp(name):
+            gguf = args.gguf or str(default_gguf_path())
+            self.llama = LlamaCpp(
+                name, gguf, max_len, eos, args.threads or 2, getattr(args, "lookup_tokens", 10)
+            )
+        self.dec = (
+            None
+            if name.startswith("hf-") or self.llama
+            else build_decoder(name, target, draft, max_len, args)
+        )
 
     @torch.no_grad()
     def run(self, ids: list[int], max_new_tokens: int, generator: torch.Generator) -> tuple[list[int], dict]:
         if self.name.startswith("hf-"):
             return self._run_hf(ids, max_new_tokens)
+        if self.llama is not None:
+            return self.llama.run(ids, max_new_tokens, self.sampling)
         if self.name == "ours-plain":
             g = self.dec.generate([ids], max_new_tokens, self.sampling, self.eos, generator)
             return g.tokens[0], {"seconds": g.seconds, "ttft": g.ttft}
@@ -242,6 +260,22 @@ class Runner:
         dt = time.perf_counter() - t0
         new = out[0, len(ids) :].tolist()
         return new, {"seconds": dt, "ttft": (streamer.t or time.perf_counter()) - t0}
+
+
+def bench_max_len(args) -> int:
+    """The cache length every decoder of a run gets: two turns of the longest prompt and answer."""
+    return args.max_prompt_tokens * 2 + args.max_new_tokens * 2 + 128
+
+
+def compiled_engine(target, draft, args):
+    """The compiled engine the -compiled methods share, compiled now (seconds printed apart from TTFT)."""
+    from maverick.compiled import CompiledTarget
+
+    feats = draft.config.feature_layers if draft is not None else ()
+    engine = CompiledTarget(target, bench_max_len(args), feats)
+    secs = engine.compile()
+    print(json.dumps({"compile_s": round(sum(secs.values()), 1), "rows": list(secs)}), flush=True)
+    return engine
 
 
 def build_prompts(tok, prompt: dict, turn: int, answers: list[str]) -> list[int]:
@@ -333,6 +367,8 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in filter(is_llama_cpp, methods):
+        require(m)  # a UserError saying how to install llama-cpp-python, before any model loads
     dtype = DTYPES[args.dtype]
     gguf = args.gguf or str(default_gguf_path())
     out_dir = Path(args.out or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -375,6 +411,8 @@ def main(argv=None) -> int:
         targets[FP8_SUFFIX] = convert_to_fp8_weight_only(copy.deepcopy(target))
     if any(variant(m) == Q4_SUFFIX for m in methods):
         targets[Q4_SUFFIX] = load_target(gguf, dtype=dtype, q4=True)
+    if any(variant(m) == COMPILED_SUFFIX for m in methods):
+        targets[COMPILED_SUFFIX] = compiled_engine(target, draft, args)
     runners = {m: Runner(m, args, targets[variant(m)], draft, hf, eos) for m in methods}
 
     gen = torch.Generator().manual_seed(args.seed)
@@ -458,7 +496,7 @@ def distribution_checks(args, methods, prompts, tok, targets, draft) -> list[Dis
     sampling = sampling_params(args)
     gen = torch.Generator().manual_seed(args.seed + 1)
     checks = []
-    ours = [m for m in methods if not m.startswith("hf-")]
+    ours = [m for m in methods if not m.startswith("hf-") and not is_llama_cpp(m)]
     bar = tqdm(
         total=len(ours) * min(args.dist_prompts, len(prompts)), desc="distribution check", file=sys.stderr
     )

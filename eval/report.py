@@ -233,11 +233,12 @@ def _summarise_method(
 # the numerics change the output: shown, not a failure).
 FP8_SUFFIX = "+fp8"
 Q4_SUFFIX = "+q4"
-VARIANT_SUFFIXES = (FP8_SUFFIX, Q4_SUFFIX)
+COMPILED_SUFFIX = "-compiled"  # the target's steps on the compiled engine (maverick/compiled.py)
+VARIANT_SUFFIXES = (FP8_SUFFIX, Q4_SUFFIX, COMPILED_SUFFIX)
 
 
 def variant(method: str) -> str:
-    """The numerics suffix of a method name ("+fp8", "+q4"), or "" for the bf16/fp32 target."""
+    """The numerics suffix of a method name ("+fp8", "+q4", "-compiled"), or "" for the bf16/fp32 target."""
     return next((v for v in VARIANT_SUFFIXES if method.endswith(v)), "")
 
 
@@ -333,9 +334,9 @@ def to_markdown(summaries: Sequence[MethodSummary]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# Methods of another implementation (HF's): their outputs may differ from ours by floating-point order
-# alone, so their mismatches are shown but are not failures of the lossless guarantee.
-REFERENCE_PREFIXES = ("hf-",)
+# Methods of another implementation (HF's, llama.cpp's): their outputs may differ from ours by floating-point
+# order alone, so their mismatches are shown but are not failures of the lossless guarantee.
+REFERENCE_PREFIXES = ("hf-", "llama.cpp")
 
 
 def is_lossless_method(method: str, reference: str = "") -> bool:

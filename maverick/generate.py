@@ -99,10 +99,19 @@ class Decoder:
         batch_size: int = 1,
         compile: bool = False,
         exact: bool = True,
+        engine: str = "eager",
     ):
         """exact=False: the fused attention kernel over the keys in use instead of the fixed-window exact
         attention; several times faster for large batches, but its logits may differ from speculative
-        decoding's in the last bit (fine for data generation, not for the bit-exact baseline)."""
+        decoding's in the last bit (fine for data generation, not for the bit-exact baseline).
+        engine="compiled": every step on the compiled engine (maverick/compiled.py; `model` may already be
+        one, shared with speculative decoders)."""
+        if engine not in ("eager", "compiled"):
+            raise ValueError(f"engine must be 'eager' or 'compiled', not {engine!r}")
+        if engine == "compiled":
+            from maverick.compiled import compiled_target
+
+            model = compiled_target(model, max_len)
         self.model = model
         self.exact = exact
         self.cache = self._new_cache(batch_size, max_len)
@@ -190,16 +199,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the eager one-token step")
+    ap.add_argument("--engine", choices=["eager", "compiled"], default="eager",
+                    help="compiled: whole-model fixed-shape graphs, inductor freezing (maverick/compiled.py)")  # fmt: skip
     ap.add_argument("--q4", action="store_true",
                     help="keep the GGUF's quantised linears packed (bf16: maverick/q4.py; fp32: maverick/codes.py): faster decoding")  # fmt: skip
     args = ap.parse_args(argv)
     shard = init_from_env()  # torchrun: tensor + expert parallel over the group (maverick/parallel.py)
-    if shard is not None and (args.q4 or args.compile):
-        ap.error("--q4 and --compile run in one process only: drop them under torchrun")
+    if shard is not None and (args.q4 or args.compile or args.engine == "compiled"):
+        ap.error("--q4, --compile and --engine compiled run in one process only: drop them under torchrun")
 
-    if args.q4 and args.compile:
-        ap.error("--q4 runs eager (a compiled step would take the dense weights): drop --compile or --q4")
+    if args.q4 and (args.compile or args.engine == "compiled"):
+        ap.error(
+            "--q4 runs eager (a compiled step would take the dense weights): drop --compile/--engine or --q4"
+        )
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     model = load_model(shard, dtype, args.target, q4=args.q4)
     tok = load_target_tokenizer(args.tokenizer or args.target)
@@ -208,7 +221,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         ids = tok.encode(args.prompt)
     check_lengths([ids], args.max_new_tokens, model.config.max_position_embeddings, "--prompt")
-    dec = Decoder(model, max_len=len(ids) + args.max_new_tokens + 8, compile=args.compile)
+    dec = Decoder(model, max_len=len(ids) + args.max_new_tokens + 8, compile=args.compile, engine=args.engine)
+    if args.engine == "compiled":
+        secs = dec.model.compile()
+        print(json.dumps({"compile_s": round(sum(secs.values()), 1), "buckets": list(secs)}), flush=True)
     gen = torch.Generator().manual_seed(args.seed)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     printed: list[int] = []
@@ -226,7 +242,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     res = dec.generate([ids], args.max_new_tokens, sampling, model.config.eos_ids, gen, on_tokens=stream)
     n = res.new_tokens
     stats = {"new_tokens": n, "seconds": round(res.seconds, 3), "tokens_per_s": round(n / res.seconds, 2)}
-    stats |= {"ttft_s": round(res.ttft, 3), "dtype": args.dtype, "compile": args.compile}
+    stats |= {
+        "ttft_s": round(res.ttft, 3),
+        "dtype": args.dtype,
+        "compile": args.compile,
+        "engine": args.engine,
+    }
     stats["q4"] = args.q4
     if shard is None or shard.rank == 0:
         print("\n" + json.dumps(stats | {"ranks": shard.world if shard else 1}))

@@ -1,0 +1,197 @@
+"""Eager against compiled engine on the real target, in one run: compile time, plain decoding tokens/s (and
+whether the tokens agree), the cost of a verify step of k + 1 rows against a one-token step on each
+engine, and speculative decoding on the compiled engine (its tokens must equal compiled plain decoding's).
+
+    python -m eval.bench_engine --n 3 --max-new-tokens 128 --out results/engine
+
+Prints the config first, one JSON line per measurement, a table last; writes engine.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from eagle3.draft import load_draft
+from eagle3.lookup import LookupConfig
+from eagle3.spec import SpecDecoder
+from eagle3.tuner import DraftLengthTuner
+from eval.prompts import load_benchmark
+from maverick.cli import run_cli
+from maverick.compiled import CompiledTarget
+from maverick.generate import Decoder
+from maverick.target import TARGET_HELP, default_target_path, load_target, load_target_tokenizer
+from maverick.tokenizer import encode_chat
+
+DEFAULT_DRAFT = Path(__file__).resolve().parent.parent / "eagle3" / "drafts" / "smollm2-135m-instruct"
+
+
+def step_seconds(fn, reps: int) -> float:
+    """Median seconds of fn() over reps calls (after one warm call)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def verify_costs(target, engine: CompiledTarget, feature_layers, ctx: list[int], reps: int) -> dict:
+    """Seconds of one call of T tokens after a prompt, eager (the exact path speculative decoding takes) and
+    compiled (its bucket), for T = 1 and every bucket; the cache is rolled back after each call."""
+    out = {}
+    dev = target.device
+    x = torch.tensor([ctx], device=dev)
+    for name, model, cache in (
+        ("eager", target, target.new_cache(1, 1024)),
+        ("compiled", engine, engine.new_cache(1)),
+    ):
+        cache.set_window(1024) if name == "eager" else None
+        model(x, cache, feature_layers=feature_layers)
+        n = int(cache.lengths[0])
+        for T in sorted({1, *engine.rows}):
+            toks = torch.randint(3, 1000, (1, T), device=dev)
+
+            def call(model=model, cache=cache, toks=toks, n=n):
+                model(toks, cache, feature_layers=feature_layers)
+                cache.truncate(n)
+
+            with torch.no_grad():
+                out[f"{name}_T{T}_ms"] = 1000 * step_seconds(call, reps)
+        for T in sorted(engine.rows):
+            out[f"{name}_T{T}_over_T1"] = out[f"{name}_T{T}_ms"] / out[f"{name}_T1_ms"]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bench", default="mtbench")
+    ap.add_argument("--n", type=int, default=3, help="prompts (first turns)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-len", type=int, default=1024, help="the compiled engine's cache length")
+    ap.add_argument("--rows", default="4,8,16,24", help="verify buckets (the decode bucket is added)")
+    ap.add_argument("--autotune", action="store_true", help="inductor max_autotune (long compiles)")
+    ap.add_argument("--reps", type=int, default=20, help="calls per step timing")
+    ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
+    ap.add_argument("--target", "--gguf", dest="target", default=None, help=TARGET_HELP)
+    ap.add_argument("--no-spec", action="store_true")
+    ap.add_argument(
+        "--lookup-streak-tokens", type=int, default=20, help="LookupConfig.streak_tokens (10 = off)"
+    )
+    ap.add_argument("--compile-draft", action="store_true", help="compile the draft step too")
+    ap.add_argument("--profile", action="store_true", help="profile 20 compiled decode steps (top ops)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gguf = str(args.target or default_target_path())
+    config = vars(args) | {"gguf": gguf, "torch": torch.__version__, "threads": torch.get_num_threads()}
+    print(json.dumps(config), flush=True)
+
+    tok = load_target_tokenizer(gguf)
+    target = load_target(gguf, dtype=torch.bfloat16)
+    draft = load_draft(args.draft, dtype=torch.bfloat16)
+    feats = tuple(draft.config.feature_layers)
+    rows = tuple(int(r) for r in args.rows.split(","))
+    t0 = time.perf_counter()
+    engine = CompiledTarget(target, args.max_len, feats, rows=rows, autotune=args.autotune)
+    secs = engine.compile()
+    result: dict = {"rows": list(engine.rows), "compile_s": secs, "compile_total_s": time.perf_counter() - t0}
+    print(json.dumps({"compile": result}), flush=True)
+
+    prompts = [
+        encode_chat(tok, [{"role": "user", "content": p["turns"][0]}])
+        for p in load_benchmark(args.bench, n=args.n)
+    ]
+    eos = target.config.eos_ids
+    result |= verify_costs(target, engine, feats, prompts[0], args.reps)
+    print(json.dumps({k: round(v, 3) for k, v in result.items() if k.endswith(("ms", "T1"))}), flush=True)
+
+    decoders = {
+        "eager-plain": Decoder(target, max_len=args.max_len),
+        "compiled-plain": Decoder(engine, max_len=args.max_len),
+    }
+    if not args.no_spec:
+        k_max = min(8, engine.rows[-1] - 1)  # every verify within the largest bucket
+        copy = min(10, k_max)
+        lookup = LookupConfig(max_tokens=copy, streak_tokens=max(copy, min(args.lookup_streak_tokens, k_max)))
+        decoders["compiled-eagle3-tuned+lookup"] = SpecDecoder(
+            engine,
+            draft,
+            max_len=args.max_len,
+            policy=DraftLengthTuner(choices=range(1, k_max + 1)),
+            lookup=lookup,
+            compile_draft=args.compile_draft,
+        )
+    runs = {m: [] for m in decoders}
+    for i, ids in enumerate(prompts):
+        for m in list(decoders)[i % len(decoders) :] + list(decoders)[: i % len(decoders)]:
+            g = decoders[m].generate([ids], args.max_new_tokens, None, eos)
+            s = g.stats.get("spec")
+            runs[m].append(
+                {"tokens": g.tokens[0], "seconds": g.seconds, "ttft": g.ttft}
+                | ({"draft_s": s.draft_seconds, "verify_s": s.verify_seconds, "tau": s.tau} if s else {})
+            )
+    summary = {}
+    for m, rs in runs.items():
+        n = sum(len(r["tokens"]) for r in rs)
+        sec = sum(r["seconds"] for r in rs)
+        row = {"tok_s": n / sec, "ttft_s": statistics.mean(r["ttft"] for r in rs), "tokens": n}
+        ref = "eager-plain" if m == "compiled-plain" else "compiled-plain"
+        if m != "eager-plain":
+            row["mismatches_vs_" + ref] = sum(a["tokens"] != b["tokens"] for a, b in zip(rs, runs[ref]))
+        if "draft_s" in rs[0]:
+            d, v = sum(r["draft_s"] for r in rs), sum(r["verify_s"] for r in rs)
+            row |= {"draft_share": d / (d + v), "tau": statistics.mean(r["tau"] for r in rs)}
+        summary[m] = row
+    base = summary["eager-plain"]["tok_s"]
+    for row in summary.values():
+        row["x_eager_plain"] = row["tok_s"] / base
+    result["decode"] = summary
+
+    if args.profile:
+        result["profile"] = profile_steps(engine, prompts[0])
+    out = Path(args.out or f"results/engine-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "engine.json").write_text(json.dumps(result, indent=1))
+    print(f"\n{'method':32s} {'tok/s':>8s} {'x eager':>8s} {'TTFT s':>7s} {'draft %':>8s} mismatches")
+    for m, r in summary.items():
+        mm = next(
+            (f"{v} vs {k.removeprefix('mismatches_vs_')}" for k, v in r.items() if k.startswith("mism")), "-"
+        )
+        share = f"{100 * r['draft_share']:.1f}" if "draft_share" in r else "-"
+        print(f"{m:32s} {r['tok_s']:8.2f} {r['x_eager_plain']:7.2f}x {r['ttft_s']:7.3f} {share:>8s} {mm}")
+    print(f"compile {result['compile_total_s']:.0f} s; verify/decode step: " + ", ".join(
+        f"T={T} eager {result[f'eager_T{T}_over_T1']:.2f}x compiled {result[f'compiled_T{T}_over_T1']:.2f}x" for T in engine.rows))  # fmt: skip
+    print(json.dumps({m: round(r["tok_s"], 2) for m, r in summary.items()}))
+    return 0
+
+
+def profile_steps(engine: CompiledTarget, ids: list[int], steps: int = 20) -> list[dict]:
+    """The ops taking the time of compiled decode steps (torch.profiler, CPU), top 15 by self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = engine.new_cache(1)
+    engine(torch.tensor([ids]), cache)
+    tok = torch.tensor([[5]])
+    engine(tok, cache)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine(tok, cache)
+    rows = []
+    for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]:
+        rows.append({"op": e.key, "calls": e.count, "self_ms_per_step": e.self_cpu_time_total / 1000 / steps})
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), file=sys.stderr)
+    return rows
+
+
+if __name__ == "__main__":
+    run_cli(main)

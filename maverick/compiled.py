@@ -1,0 +1,406 @@
+"""The compiled target engine: a built `Llama4`'s decode and verify steps as fixed-shape compiled graphs.
+
+Eager decoding of a small model is bound by the cost per operation, not by the weights: a SmolLM2 step
+is ~30 layers x ~25 small ops, each paying Python dispatch. `CompiledTarget` wraps a built model and runs
+every short call (decode: 1 token; chain verify: k + 1 tokens) as one whole-model graph compiled by
+inductor: fixed shapes, the static KV cache passed in and written in place, attention over the whole
+preallocated cache, elementwise work (residual + RMSNorm, RoPE, SwiGLU, the attention's softmax) fused,
+no Python inside a step. On CPU: `freezing` (weights become constants, prepacked for oneDNN),
+optionally `max_autotune` (inductor's CPU GEMM templates). On CUDA the same graphs are replayed as CUDA
+graphs (`triton.cudagraphs`, what `mode="reduce-overhead"` sets). Long calls (prefill) and tree
+verifies run on the eager model.
+
+Row counts. A call of T tokens runs the graph of the smallest row bucket >= T (`rows`), padded with
+token 0 at the positions after the real ones: causal masking keeps the padding out of every real row,
+and the padding's cache writes land past the committed length, which nothing reads. Greedy speculative
+decoding is bit-exact with plain decoding on this engine only if a token's logits have the same bits in
+every bucket; the smallest bucket is the smallest row count from which oneDNN's bf16 matmul keeps each
+row's bits (`maverick.linear.invariant_rows`: 1 on the Xeon with AMX, 2 on AMD Zen 4), and
+tests/test_compiled.py measures the invariance of the compiled graphs themselves.
+
+Attention is two fp32 bmm over the whole cache with the mask and softmax fused between them, each bmm on
+at least `model.bmm_min_rows()` rows (padded), the count from which this CPU's fp32 bmm keeps every row's
+bits. Written instead as broadcast multiplies and reductions (what inductor fuses into one loop nest; the
+fallback where no such row count exists) it cost ~17 of a 25 ms SmolLM2 step on AMD Zen 4 (measured).
+
+Measured (`python -m eval.bench_engine --n 3 --rows 8`, SmolLM2-135M bf16, AMD EPYC Zen 4, 2 threads, a
+machine shared with other jobs): a decode step 12.9 ms compiled against 19.1 ms eager, an 8-token verify
+1.30x a decode step (eager 1.16x); plain decoding 74.5 against 62.5 tok/s; 64% of a compiled step is
+oneDNN's bf16 matmuls streaming the weights, the rest the fused kernels, the attention's bmm and ~0.7 ms
+of guard checks. Compile: ~100 s for two buckets cold, ~45 s from the cache.
+
+Compiled artifacts go to inductor's FX graph cache under `.cache/inductor` in the repository (or
+$TORCHINDUCTOR_CACHE_DIR): a second run traces again but skips code generation and C++ compilation.
+`compile()` builds every bucket up front and reports the seconds apart from the time to first token.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from maverick.kv_cache import KVCache
+from maverick.model import Llama4, Output, _rms, apply_rope, bmm_min_rows, rope_tables
+
+CACHE_DIR = Path(__file__).resolve().parent.parent / ".cache" / "inductor"
+DEFAULT_ROWS = (4, 8, 16, 24)  # verify buckets; the decode bucket (1 or 2) is added in front
+
+
+def use_repo_cache() -> None:
+    """Point inductor's caches at .cache/inductor in the repository unless the user chose a directory (an
+    earlier torch.compile, e.g. maverick/codes.py's at import, has set the variable to inductor's default
+    in /tmp: that one is replaced; inductor reads the variable at each cache access)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    cur = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if cur is None or os.path.abspath(cur) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(CACHE_DIR)
+
+
+def min_invariant_rows(model: Llama4) -> int:
+    """The fewest rows from which every bf16 weight matrix of `model` gives each row the same bits through
+    oneDNN's packed kernel (the kernel inductor's freezing uses for CPU linears); 1 off CPU or bf16."""
+    if model.device.type != "cpu" or model.dtype != torch.bfloat16:
+        return 1
+    from maverick.linear import _SUPPORTED, invariant_rows, packed_linear, packed_weight
+
+    if not _SUPPORTED:
+        return 1
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)}
+    lo = 1
+    for N, K in sorted(shapes):
+        w = torch.randn(N, K, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        packed = packed_weight(w)
+        lo = max(
+            lo, invariant_rows(lambda x, p=packed: packed_linear(x, p, None), "packed", (N, K), w.dtype)[0]
+        )
+    return lo
+
+
+class _Step(nn.Module):
+    """One forward of T new tokens per row at cache slots (= positions) start .. start + T - 1, every
+    layer dense. A module, so that inductor's freezing sees the weights as parameters; the caches are
+    arguments (never frozen) and are written in place.
+
+    tokens [B, T], start [B], k_cache / v_cache [L, B, Hkv, S, D] -> logits [B, T, V] (model dtype),
+    features [B, T, n H] (the states entering `feature_layers`, concatenated; [B, T, 0] for none),
+    hidden [B, T, H] (after the final norm)."""
+
+    def __init__(self, model: Llama4, feature_layers: tuple[int, ...]):
+        super().__init__()
+        self.model = model
+        self.feature_layers = feature_layers
+        self.bmm_rows = bmm_min_rows()  # probed here, eagerly: a compiled region cannot run the probe
+
+    def forward(self, tokens: Tensor, start: Tensor, k_cache: Tensor, v_cache: Tensor):
+        m, cfg = self.model, self.model.config
+        B, T = tokens.shape
+        S = k_cache.shape[3]
+        dev = tokens.device
+        pos = start[:, None] + torch.arange(T, device=dev)  # [B, T]
+        cos, sin = rope_tables(pos, m.inv_freq)
+        slot = torch.arange(S, device=dev)
+        visible = slot[None, None, :] <= pos[:, :, None]  # [B, T, S]: committed slots and the causal new ones
+        bias = torch.where(visible, 0.0, float("-inf"))[:, None, None]  # [B, 1, 1, T, S]
+        chunk_bias = None
+        if any(layer.self_attn.chunked for layer in m.model.layers):
+            C = cfg.attention_chunk_size
+            same = slot[None, None, :] // C == pos[:, :, None] // C
+            chunk_bias = torch.where(visible & same, 0.0, float("-inf"))[:, None, None]
+        rows = torch.arange(B, device=dev)[:, None]
+        x = m.model.embed_tokens(tokens)
+        feats = []
+        for i, layer in enumerate(m.model.layers):
+            if i in self.feature_layers:
+                feats.append(x)
+            a, f = layer.self_attn, layer.feed_forward
+            h = layer.input_layernorm(x)
+            qkv = F.linear(h, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+            o = self._attend(
+                a,
+                qkv,
+                pos,
+                cos,
+                sin,
+                chunk_bias if a.chunked else bias,
+                k_cache,
+                v_cache,
+                i,
+                rows,
+                self.bmm_rows,
+            )
+            x = x + F.linear(o, a.o_proj.weight)
+            h = layer.post_attention_layernorm(x)
+            gate_up = F.linear(h, torch.cat([f.gate_proj.weight, f.up_proj.weight]))
+            I = f.gate_proj.weight.shape[0]
+            x = x + F.linear(F.silu(gate_up[..., :I]) * gate_up[..., I:], f.down_proj.weight)
+        if cfg.num_hidden_layers in self.feature_layers:
+            feats.append(x)
+        h = m.model.norm(x)
+        logits = F.linear(h, m.lm_head.weight)
+        features = (
+            torch.cat([feats[self.feature_layers.index(i)] for i in self.feature_layers], -1)
+            if feats
+            else x[..., :0]
+        )
+        return logits, features, h
+
+    @staticmethod
+    def _attend(
+        a, qkv, pos, cos, sin, bias, k_cache, v_cache, layer: int, rows, min_rows: int | None
+    ) -> Tensor:
+        """`Attention.attend` for the compiled step: qkv [B, T, (Hq + 2 Hkv) D] -> [B, T, Hq D]; this layer's
+        cache k/v [B, Hkv, S, D] written at slots `pos`; attention in fp32 over all S slots, `bias` masking."""
+        B, T, _ = qkv.shape
+        Hq, Hkv, D = a.n_heads, a.n_kv, a.head_dim
+        G = Hq // Hkv
+        qkv = qkv.view(B, T, Hq + 2 * Hkv, D)
+        qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]
+        if a.use_rope:
+            qk = apply_rope(qk, cos, sin)
+        q, k = qk[:, :, :Hq], qk[:, :, Hq:]
+        if a.qk_norm:
+            q, k = _rms(q, a.eps), _rms(k, a.eps)
+        elif a.temperature_tuning:
+            scale = torch.log1p(torch.floor((pos.float() + 1.0) / a.floor_scale)) * a.attn_scale + 1.0
+            q = (q * scale[:, :, None, None]).to(q.dtype)
+        # one index_put_ on the whole cache (not on a layer's view): inductor then writes the T slots in
+        # place instead of copying the layer (measured: a view's write copied it, and the cache once per step)
+        idx = (
+            torch.full((1, 1, 1), layer, device=pos.device),
+            rows[:, :, None],
+            torch.arange(Hkv, device=pos.device),
+            pos[:, :, None],
+        )
+        k_cache.index_put_(idx, k.to(k_cache.dtype))  # k [B, T, Hkv, D] at [layer, b, h, pos[b, t]]
+        v_cache.index_put_(idx, v.to(v_cache.dtype))
+        S = k_cache.shape[3]
+        q_f = q.float().view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
+        k_f, v_f = k_cache[layer].float(), v_cache[layer].float()  # [B, Hkv, S, D]
+        if min_rows is None:  # no row count keeps fp32 bmm's bits here: reductions (slower, tested invariant)
+            scores = (q_f[:, :, :, :, None] * k_f[:, :, None, None]).sum(-1)  # [B, Hkv, G, T, S]
+            probs = (scores * D**-0.5 + bias).softmax(-1)
+            o = (probs[..., None] * v_f[:, :, None, None]).sum(-2)  # [B, Hkv, G, T, D]
+        else:  # two fp32 bmm of at least `rows` rows, as model.exact_attention: every row keeps its bits
+            n = G * T
+            pad = (0, 0, 0, max(min_rows - n, 0))
+            q_f = F.pad(q_f.reshape(B * Hkv, n, D), pad)
+            scores = torch.bmm(q_f, k_f.reshape(B * Hkv, S, D).transpose(1, 2))[:, :n]
+            probs = (scores.view(B, Hkv, G, T, S) * D**-0.5 + bias).softmax(-1)
+            p = F.pad(probs.reshape(B * Hkv, n, S), pad)
+            o = torch.bmm(p, v_f.reshape(B * Hkv, S, D))[:, :n].view(B, Hkv, G, T, D)
+        return o.permute(0, 3, 1, 2, 4).reshape(B, T, Hq * D).to(qkv.dtype)
+
+
+class CompiledTarget:
+    """A built `Llama4` with compiled short calls, usable wherever decoding takes the model
+    (`maverick.generate.Decoder`, `eagle3.spec.SpecDecoder`): same call signature, `new_cache`, `config`,
+    `model` (the layers, e.g. the embedding the draft reads).
+
+    max_len: the tokens every cache of this engine holds (its slots: max_len + the largest bucket, room for
+    a padded call at the end; the graphs' fixed key count).
+    feature_layers: the states every compiled call returns (a draft's feature layers): plain decoding
+    computes them too, so plain and speculative decoding run the same graphs.
+    rows: the verify buckets; the decode bucket (`min_invariant_rows`) is added in front. On CUDA every
+    call runs the largest bucket (a GPU reads the weights once for 1 or 24 rows alike).
+    autotune: inductor's max_autotune (CPU GEMM templates; long compiles). cpp_wrapper: inductor's C++
+    wrapper instead of the Python one (CPU)."""
+
+    compiled = True
+
+    def __init__(
+        self,
+        model: Llama4,
+        max_len: int,
+        feature_layers: Sequence[int] = (),
+        rows: Sequence[int] = DEFAULT_ROWS,
+        autotune: bool = False,
+        cpp_wrapper: bool = False,
+    ):
+        bad = [i for i, layer in enumerate(model.model.layers) if layer.is_moe or not layer.flat_ok()]
+        if bad:
+            raise ValueError(
+                f"the compiled engine runs dense layers of plain bf16/fp32 Linears; layers {bad} are not"
+            )
+        use_repo_cache()
+        self.base = model
+        self.max_len = max_len
+        self.feature_layers = tuple(feature_layers)
+        lo = min_invariant_rows(model)
+        self.rows = tuple(sorted({lo, *(r for r in rows if r > lo)}))
+        if model.device.type == "cuda":  # GPU matmuls choose kernels by row count; one bucket, ~free there
+            self.rows = (max(self.rows),)
+        self.slots = max_len + self.rows[-1]
+        self.step = _Step(model, self.feature_layers).eval()
+        options = {"freezing": True, "emulate_precision_casts": True}
+        if model.device.type == "cuda":
+            options["triton.cudagraphs"] = True  # mode="reduce-overhead"
+        else:
+            options |= {"max_autotune": autotune, "cpp_wrapper": cpp_wrapper}
+        self.options = options
+        self._fn = torch.compile(self.step, dynamic=False, fullgraph=True)
+        self.compile_seconds: dict[int, float] = {}  # bucket -> seconds of its first call
+
+    # ---- what decoding reads from a model ----
+
+    @property
+    def config(self):
+        return self.base.config
+
+    @property
+    def model(self):
+        return self.base.model
+
+    @property
+    def device(self) -> torch.device:
+        return self.base.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.base.dtype
+
+    def new_cache(
+        self, batch_size: int, max_len: int | None = None, dtype=None, exact: bool = True
+    ) -> KVCache:
+        """A cache of the engine's fixed `slots` (max_len may only ask for less), in the model dtype: the keys
+        and values are rounded to it before they are written, and the attention reads them in fp32."""
+        if max_len is not None and max_len > self.max_len:
+            raise ValueError(
+                f"a cache of {max_len} slots asked of a compiled engine built for {self.max_len}"
+            )
+        c = self.config
+        cache = KVCache(
+            c.num_hidden_layers,
+            batch_size,
+            self.slots,
+            c.num_key_value_heads,
+            c.head_dim,
+            self.dtype,
+            self.device,
+        )
+        cache.slice_to_bound = False
+        cache.compiled = True
+        if self.device.type == "cuda":  # CUDA graphs replay on fixed addresses
+            torch._dynamo.mark_static_address(cache.k)
+            torch._dynamo.mark_static_address(cache.v)
+        return cache
+
+    # ---- calls ----
+
+    def bucket(self, T: int) -> int | None:
+        """The row count a call of T tokens runs at (None: too many for a compiled step, eager)."""
+        return next((r for r in self.rows if r >= T), None)
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        tokens: Tensor,
+        cache: KVCache | None = None,
+        positions: Tensor | None = None,
+        tree_mask: Tensor | None = None,
+        feature_layers: tuple[int, ...] = (),
+        logits: str | Tensor | None = "all",
+        inputs_embeds: Tensor | None = None,
+    ) -> Output:
+        """`Llama4.forward`: compiled for a chain of T <= max(rows) tokens on a cache of this engine, eager
+        otherwise (a prefill, from an empty cache; trees, explicit positions)."""
+        B, T = tokens.shape
+        R = self.bucket(T)
+        ours = getattr(cache, "compiled", False)
+        if R is None and ours and bool(cache.lengths.any()):  # eager would change a verify's bits
+            raise ValueError(
+                f"a chain of {T} tokens: the compiled engine's largest bucket is {self.rows[-1]}"
+            )
+        if (
+            R is None
+            or not ours
+            or positions is not None
+            or tree_mask is not None
+            or inputs_embeds is not None
+        ):
+            return self._eager(tokens, cache, positions, tree_mask, feature_layers, logits, inputs_embeds)
+        missing = [i for i in feature_layers if i not in self.feature_layers]
+        if missing:
+            raise ValueError(
+                f"feature layers {missing} asked of a compiled engine built for {self.feature_layers}"
+            )
+        if int(cache.lengths.max()) + R > cache.max_len:
+            raise RuntimeError(
+                f"KV cache overflow: {R} rows past {int(cache.lengths.max())}, cache holds {cache.max_len}"
+            )
+        x = tokens.new_zeros(B, R)  # fresh, standard strides: a slice's strides would recompile
+        x[:, :T] = tokens
+        lg, feats, h = self.run(R, x, cache)
+        cache.advance(T)
+        lg, feats, h = lg[:, :T], feats[:, :T], h[:, :T]
+        if feature_layers:
+            idx = [self.feature_layers.index(i) for i in feature_layers]
+            H = h.shape[-1]
+            feats = torch.cat([feats[..., j * H : (j + 1) * H] for j in idx], -1)
+        else:
+            feats = None
+        if isinstance(logits, Tensor):
+            lg = lg.gather(1, logits[..., None].expand(-1, -1, lg.shape[-1]))
+        elif logits == "last":
+            lg = lg[:, -1:]
+        elif logits is None:
+            lg = None
+        elif logits != "all":
+            raise ValueError(f"logits must be 'all', 'last', None or an index tensor, got {logits!r}")
+        return Output(lg, feats, h)
+
+    @torch.no_grad()
+    def run(self, R: int, tokens: Tensor, cache: KVCache) -> tuple[Tensor, Tensor, Tensor]:
+        """The compiled graph of bucket R on tokens [B, R]; the first call of a bucket compiles it."""
+        t0 = time.perf_counter() if R not in self.compile_seconds else None
+        if self.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch._inductor.config.patch(self.options):  # options=... to torch.compile skip freezing (2.13)
+            out = self._fn(tokens, cache.lengths, cache.k, cache.v)
+        if self.device.type == "cuda":  # the next replay overwrites a CUDA graph's outputs
+            out = tuple(t.clone() for t in out)
+        if t0 is not None:
+            self.compile_seconds[R] = time.perf_counter() - t0
+        return out
+
+    def _eager(self, tokens, cache, positions, tree_mask, feature_layers, logits, inputs_embeds) -> Output:
+        """The eager model, on this engine's cache too (prefill): its bookkeeping slices to the part in use."""
+        if cache is None or not getattr(cache, "compiled", False):
+            return self.base(tokens, cache, positions, tree_mask, feature_layers, logits, inputs_embeds)
+        cache.slice_to_bound = True
+        cache.bound = int(cache.lengths.max())
+        try:
+            return self.base(tokens, cache, positions, tree_mask, feature_layers, logits, inputs_embeds)
+        finally:
+            cache.slice_to_bound = False
+
+    def compile(self, batch_size: int = 1) -> dict[int, float]:
+        """Compile (or load from the cache) every bucket's graph now, on a scratch cache; returns the
+        seconds per bucket (first call minus a second call: the compile alone)."""
+        cache = self.new_cache(batch_size)
+        for R in self.rows:
+            tokens = torch.zeros(batch_size, R, dtype=torch.long, device=self.device)
+            self.compile_seconds.pop(R, None)
+            self.run(R, tokens, cache)
+            t0 = time.perf_counter()
+            self.run(R, tokens, cache)
+            self.compile_seconds[R] -= time.perf_counter() - t0
+        return dict(self.compile_seconds)
+
+
+def compiled_target(model, max_len: int, feature_layers: Sequence[int] = (), **kw) -> CompiledTarget:
+    """`model` as a `CompiledTarget` (returned as is when it already is one, after checking it fits)."""
+    if isinstance(model, CompiledTarget):
+        if max_len > model.max_len or not set(feature_layers) <= set(model.feature_layers):
+            raise ValueError(
+                f"a compiled engine of max_len {model.max_len}, features {model.feature_layers} asked for "
+                f"max_len {max_len}, features {tuple(feature_layers)}"
+            )
+        return model
+    return CompiledTarget(model, max_len, feature_layers, **kw)

@@ -1,0 +1,187 @@
+"""SmolLM2 tokens/s per user on one GPU: plain vs EAGLE-3, eager vs compiled (CUDA graphs), and the draft's
+share of a cycle eager vs compiled; one JSON to $OUT (or --out). Batch 1, greedy, bf16; every method's
+tokens are compared with plain decoding on its own engine (speculative decoding must be lossless there).
+
+The device machine has no network and no wheel data, so the inputs are prepared here first:
+
+    python scripts/gpu_decode.py --prepare            # .gl/gpu_prompts.json (prompt ids) + the GGUF in halves
+
+One device call carries at most 64 MiB and the GGUF is 98 MB: carry the halves in two calls (an ignored
+file stays on the device between calls), then run:
+
+    run(carry=[".gl/gguf.part-aa", ".gl/gpu_prompts.json"], command="true")
+    run(carry=[".gl/gguf.part-ab"], timeout_s=540,
+        command="cat .gl/gguf.part-aa .gl/gguf.part-ab > .gl/smollm2.gguf && python scripts/gpu_decode.py")
+
+Methods (each on --n MT-bench first turns, --max-new-tokens tokens, alternating prompt by prompt):
+eager-plain, eager-eagle3 (tuned draft length + prompt lookup), compiled-plain (maverick/compiled.py,
+CUDA graphs), compiled-eagle3 (the same on the compiled target, the draft step compiled with CUDA graphs).
+Compile seconds are reported apart from the decoding time. A method that fails is reported with its error
+and the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+GL = ROOT / ".gl"
+
+
+def prepare(n: int) -> None:
+    """Here, with the wheel data: prompt ids (our chat template) and the GGUF split into two halves."""
+    from eval.prompts import load_benchmark
+    from maverick.tokenizer import default_gguf_path, encode_chat, load_tokenizer
+
+    GL.mkdir(exist_ok=True)
+    gguf = default_gguf_path()
+    tok = load_tokenizer(gguf)
+    prompts = [
+        encode_chat(tok, [{"role": "user", "content": p["turns"][0]}]) for p in load_benchmark("mtbench", n=n)
+    ]
+    (GL / "gpu_prompts.json").write_text(json.dumps(prompts))
+    subprocess.run(["split", "-n", "2", str(gguf), str(GL / "gguf.part-")], check=True)
+    print(json.dumps({"prompts": len(prompts), "parts": sorted(p.name for p in GL.glob("gguf.part-*"))}))
+
+
+def run_method(dec, prompts, max_new, eos) -> dict:
+    toks, secs, ttft, draft_s, verify_s, taus = [], 0.0, [], 0.0, 0.0, []
+    for ids in prompts:
+        g = dec.generate([ids], max_new, None, eos)
+        toks.append(g.tokens[0])
+        secs += g.seconds
+        ttft.append(g.ttft)
+        s = g.stats.get("spec")
+        if s is not None:
+            draft_s, verify_s = draft_s + s.draft_seconds, verify_s + s.verify_seconds
+            taus.append(s.tau)
+    n = sum(len(t) for t in toks)
+    row = {"tok_s": n / secs, "tokens": n, "ttft_s": statistics.mean(ttft), "outputs": toks}
+    if taus:
+        row |= {"tau": statistics.mean(taus), "draft_share": draft_s / max(draft_s + verify_s, 1e-9)}
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prepare", action="store_true", help="write the inputs (here, not on the device)")
+    ap.add_argument("--gguf", default=str(GL / "smollm2.gguf"))
+    ap.add_argument("--prompts", default=str(GL / "gpu_prompts.json"))
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--methods", default="eager-plain,eager-eagle3,compiled-plain,compiled-eagle3")
+    ap.add_argument("--rows", default="4,8,16,24", help="the engine's buckets (CUDA runs the largest only)")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script's logic")
+    ap.add_argument("--out", default=os.environ.get("OUT", "results/gpu"))
+    args = ap.parse_args(argv)
+    if args.prepare:
+        prepare(args.n)
+        return 0
+
+    from eagle3.draft import load_draft
+    from eagle3.lookup import LookupConfig
+    from eagle3.spec import SpecDecoder
+    from eagle3.tuner import DraftLengthTuner
+    from maverick.compiled import CompiledTarget
+    from maverick.generate import Decoder
+    from maverick.gguf_model import load_gguf_model
+
+    dev = args.device
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name() if dev == "cuda" else "none"
+    result: dict = {"config": vars(args), "torch": torch.__version__, "gpu": gpu}
+    print(json.dumps(result), flush=True)
+    prompts = json.loads(Path(args.prompts).read_text())[: args.n]
+    target = load_gguf_model(args.gguf, dtype=torch.bfloat16, device=dev)
+    draft = load_draft(ROOT / "eagle3" / "drafts" / "smollm2-135m-instruct", dtype=torch.bfloat16, device=dev)
+    eos = target.config.eos_ids
+    feats = tuple(draft.config.feature_layers)
+    methods = [m for m in args.methods.split(",") if m]
+    decoders, errors = {}, {}
+    t0 = time.perf_counter()
+    engine = None
+    if any(m.startswith("compiled") for m in methods):
+        try:
+            rows = tuple(int(r) for r in args.rows.split(","))
+            engine = CompiledTarget(target, args.max_len, feats, rows=rows)
+            result["compile_s"] = engine.compile()
+        except Exception:
+            errors["compile"] = traceback.format_exc(limit=8)
+    result["compile_total_s"] = time.perf_counter() - t0
+    for m in methods:
+        tgt = engine if m.startswith("compiled") else target
+        if tgt is None:
+            continue
+        if m.endswith("plain"):
+            decoders[m] = Decoder(tgt, max_len=args.max_len)
+        else:
+            cap = tgt.rows[-1] - 1 if m.startswith("compiled") else 20  # verifies fit the engine's bucket
+            k_max, copy = min(8, cap), min(10, cap)
+            look = LookupConfig(max_tokens=copy, streak_tokens=max(copy, min(20, cap)))
+            pol = DraftLengthTuner(choices=range(1, k_max + 1))
+            decoders[m] = SpecDecoder(
+                tgt, draft, args.max_len, policy=pol, lookup=look, compile_draft=m.startswith("compiled")
+            )
+    warm = prompts[0][:32]
+    for m, dec in list(decoders.items()):  # warm-up: lazy init, the draft step's compile
+        t = time.perf_counter()
+        try:
+            dec.generate([warm], 16, None, eos)
+            result[f"warmup_s_{m}"] = time.perf_counter() - t
+        except Exception:
+            errors[m] = traceback.format_exc(limit=8)
+            del decoders[m]
+    runs = {m: [] for m in decoders}
+    for i, ids in enumerate(prompts):
+        order = list(decoders)[i % len(decoders) :] + list(decoders)[: i % len(decoders)]
+        for m in order:
+            if m in errors:
+                continue
+            try:
+                runs[m].append(run_method(decoders[m], [ids], args.max_new_tokens, eos))
+            except Exception:
+                errors[m] = traceback.format_exc(limit=8)
+    summary = {}
+    for m, rs in runs.items():
+        if m in errors or not rs:
+            continue
+        n, secs = sum(r["tokens"] for r in rs), sum(r["tokens"] / r["tok_s"] for r in rs)
+        row = {"tok_s": n / secs, "tokens": n, "ttft_s": statistics.mean(r["ttft_s"] for r in rs)}
+        if "tau" in rs[0]:
+            row["tau"] = statistics.mean(r["tau"] for r in rs)
+            row["draft_share"] = statistics.mean(r["draft_share"] for r in rs)
+        ref = "compiled-plain" if m.startswith("compiled") else "eager-plain"
+        if ref in runs and m != ref and ref not in errors:
+            row[f"mismatches_vs_{ref}"] = sum(a["outputs"] != b["outputs"] for a, b in zip(rs, runs[ref]))
+        summary[m] = row
+    if "compiled-plain" in summary and "eager-plain" in runs:
+        summary["compiled-plain"]["mismatches_vs_eager-plain"] = sum(
+            a["outputs"] != b["outputs"] for a, b in zip(runs["compiled-plain"], runs["eager-plain"])
+        )
+    result |= {"summary": summary, "errors": errors}
+    (out / "gpu_decode.json").write_text(json.dumps(result, indent=1))
+    for m, r in summary.items():
+        share = f"{100 * r['draft_share']:.1f}%" if "draft_share" in r else "-"
+        print(f"{m:18s} {r['tok_s']:9.1f} tok/s  tau {r.get('tau', 0):.2f}  draft share {share}")
+    for m, e in errors.items():
+        print(f"ERROR {m}: {e.strip().splitlines()[-1]}")
+    print(json.dumps({m: round(r["tok_s"], 1) for m, r in summary.items()}))
+    return 0 if not errors else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
