@@ -152,31 +152,44 @@ def tree_config(args) -> TreeConfig:
     return TreeConfig(depth, k, sum(k**d for d in range(1, depth + 1)))
 
 
-def build_decoder(name: str, target, draft, max_len: int, args) -> Decoder | SpecDecoder:
-    """Our decoder for a method name (without a "+fp8" / "+q4" suffix)."""
-    if name == "ours-plain":
-        return Decoder(target, max_len=max_len)
-    datastore = None
-    if name.endswith(STORE_SUFFIX):
-        name = name.removesuffix(STORE_SUFFIX)
-        if not name.endswith(LOOKUP_SUFFIX):
-            raise UserError(f"'{STORE_SUFFIX}' extends prompt lookup: name the method <method>+lookup+store")
-        datastore = Datastore.load(datastore_path(args))
-    copy_tokens = getattr(args, "lookup_tokens", 10)
-    # a streak below the base length is off
-    streak = max(copy_tokens, getattr(args, "lookup_streak_tokens", 20))
-    lookup = (
-        LookupConfig(max_tokens=copy_tokens, streak_tokens=streak) if name.endswith(LOOKUP_SUFFIX) else None
-    )
+def method_parts(name: str) -> tuple[str, bool, bool]:
+    """A speculative method's name (without a variant suffix) as (base, lookup, store): base is
+    eagle3-tuned, eagle3-tree or eagle3-k<N>; a UserError naming the known methods otherwise."""
+    store = name.endswith(STORE_SUFFIX)
+    name = name.removesuffix(STORE_SUFFIX)
+    if store and not name.endswith(LOOKUP_SUFFIX):
+        raise UserError(f"'{STORE_SUFFIX}' extends prompt lookup: name the method <method>+lookup+store")
+    lookup = name.endswith(LOOKUP_SUFFIX)
     name = name.removesuffix(LOOKUP_SUFFIX)
-    fixed_k = name.removeprefix("eagle3-k")
     if name not in ("eagle3-tuned", "eagle3-tree") and not (
-        name.startswith("eagle3-k") and fixed_k.isdigit()
+        name.startswith("eagle3-k") and name.removeprefix("eagle3-k").isdigit()
     ):
         raise UserError(
             f"unknown method {name!r}; known: {', '.join(ALL_METHODS)} (eagle3 chains also with '{LOOKUP_SUFFIX}' or '{LOOKUP_SUFFIX}{STORE_SUFFIX}', "
-            f"ours with '{FP8_SUFFIX}' or '{Q4_SUFFIX}')"
+            f"any method of ours with '{FP8_SUFFIX}', '{Q4_SUFFIX}' or '{COMPILED_SUFFIX}')"
         )
+    return name, lookup, store
+
+
+def check_method_names(methods: list[str]) -> None:
+    """Every --methods name is known, checked before any model loads."""
+    for m in methods:
+        base = m.removesuffix(variant(m))
+        if base not in ("ours-plain", "hf-generate", "hf-prompt-lookup") and not is_llama_cpp(base):
+            method_parts(base)
+
+
+def build_decoder(name: str, target, draft, max_len: int, args) -> Decoder | SpecDecoder:
+    """Our decoder for a method name (without a "+fp8" / "+q4" / "-compiled" suffix)."""
+    if name == "ours-plain":
+        return Decoder(target, max_len=max_len)
+    name, lookup_on, store = method_parts(name)
+    datastore = Datastore.load(datastore_path(args)) if store else None
+    copy_tokens = getattr(args, "lookup_tokens", 10)
+    # a streak below the base length is off
+    streak = max(copy_tokens, getattr(args, "lookup_streak_tokens", 20))
+    lookup = LookupConfig(max_tokens=copy_tokens, streak_tokens=streak) if lookup_on else None
+    fixed_k = name.removeprefix("eagle3-k")
     if draft is None:
         raise UserError(f"method {name} needs a draft (--draft)")
     policy, tree = None, None
@@ -367,6 +380,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    check_method_names(methods)
     for m in filter(is_llama_cpp, methods):
         require(m)  # a UserError saying how to install llama-cpp-python, before any model loads
     dtype = DTYPES[args.dtype]

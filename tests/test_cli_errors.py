@@ -181,6 +181,21 @@ def test_bench_refuses_a_long_prompt_before_loading_models(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("method", ["eagle3-k", "eagle3-fast", "eagle3-tuned+store", "ours-plain+q8"])
+def test_bench_refuses_an_unknown_method_before_loading_models(method, tmp_path, capsys, monkeypatch):
+    from eval import bench
+
+    def no_load(*a, **kw):
+        raise AssertionError("a model was loaded before the method names were checked")
+
+    monkeypatch.setattr(bench, "load_target", no_load)
+    monkeypatch.setattr(bench, "load_target_tokenizer", no_load)
+    argv = ["--methods", f"ours-plain,{method}", "--n", "1", "--out", str(tmp_path / "r")]
+    code, err = exit_status(bench.main, argv, capsys)
+    assert code == 2 and err.startswith("error: ") and ("unknown method" in err or "+lookup+store" in err)
+    assert not (tmp_path / "r").exists()
+
+
 def test_bench_truncation_is_explicit_and_counted():
     from types import SimpleNamespace
 
