@@ -123,14 +123,15 @@ def main(argv=None) -> int:
         k_max = min(8, engine.rows[-1] - 1)  # every verify within the largest bucket
         copy = min(10, k_max)
         lookup = LookupConfig(max_tokens=copy, streak_tokens=max(copy, min(args.lookup_streak_tokens, k_max)))
-        decoders["compiled-eagle3-tuned+lookup"] = SpecDecoder(
-            engine,
-            draft,
-            max_len=args.max_len,
-            policy=DraftLengthTuner(choices=range(1, k_max + 1)),
-            lookup=lookup,
-            compile_draft=args.compile_draft,
-        )
+        for name, model in (("eager", target), ("compiled", engine)):  # the same drafting on both engines
+            decoders[f"{name}-eagle3-tuned+lookup"] = SpecDecoder(
+                model,
+                draft,
+                max_len=args.max_len,
+                policy=DraftLengthTuner(choices=range(1, k_max + 1)),
+                lookup=lookup,
+                compile_draft=args.compile_draft,
+            )
     runs = {m: [] for m in decoders}
     for i, ids in enumerate(prompts):
         for m in list(decoders)[i % len(decoders) :] + list(decoders)[: i % len(decoders)]:
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
         n = sum(len(r["tokens"]) for r in rs)
         sec = sum(r["seconds"] for r in rs)
         row = {"tok_s": n / sec, "ttft_s": statistics.mean(r["ttft"] for r in rs), "tokens": n}
-        ref = "eager-plain" if m == "compiled-plain" else "compiled-plain"
+        ref = "compiled-plain" if m.startswith("compiled-eagle3") else "eager-plain"
         if m != "eager-plain":
             row["mismatches_vs_" + ref] = sum(a["tokens"] != b["tokens"] for a, b in zip(rs, runs[ref]))
         if "draft_s" in rs[0]:
