@@ -47,6 +47,7 @@ from eagle3.sampling import (
     verify_tree_sampling,
 )
 from eagle3.tuner import FixedK
+from maverick.compiled import for_engine
 from maverick.generate import Generation, check_lengths, decode_window, prefill
 from maverick.model import Llama4
 from maverick.sampling import SamplingParams, logits_to_probs, sample
@@ -119,12 +120,7 @@ class SpecDecoder:
         datastore: Datastore | None = None,
         engine: str = "eager",
     ):
-        if engine not in ("eager", "compiled"):
-            raise ValueError(f"engine must be 'eager' or 'compiled', not {engine!r}")
-        if engine == "compiled":
-            from maverick.compiled import compiled_target
-
-            target = compiled_target(target, max_len, draft.config.feature_layers)
+        target = for_engine(target, engine, max_len, draft.config.feature_layers)
         if tree is not None and getattr(target, "compiled", False):
             raise ValueError("the compiled engine verifies chains: a tree verify would run eager, other bits")
         if datastore is not None and lookup is None:

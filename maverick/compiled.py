@@ -115,10 +115,10 @@ class _Step(nn.Module):
             chunk_bias = torch.where(visible & same, 0.0, float("-inf"))[:, None, None]
         rows = torch.arange(B, device=dev)[:, None]
         x = m.model.embed_tokens(tokens)
-        feats = []
+        feats: dict[int, Tensor] = {}  # layer -> the state entering it
         for i, layer in enumerate(m.model.layers):
             if i in self.feature_layers:
-                feats.append(x)
+                feats[i] = x
             a, f = layer.self_attn, layer.feed_forward
             h = layer.input_layernorm(x)
             qkv = F.linear(h, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
@@ -141,14 +141,10 @@ class _Step(nn.Module):
             I = f.gate_proj.weight.shape[0]
             x = x + F.linear(F.silu(gate_up[..., :I]) * gate_up[..., I:], f.down_proj.weight)
         if cfg.num_hidden_layers in self.feature_layers:
-            feats.append(x)
+            feats[cfg.num_hidden_layers] = x
         h = m.model.norm(x)
         logits = F.linear(h, m.lm_head.weight)
-        features = (
-            torch.cat([feats[self.feature_layers.index(i)] for i in self.feature_layers], -1)
-            if feats
-            else x[..., :0]
-        )
+        features = torch.cat([feats[i] for i in self.feature_layers], -1) if feats else x[..., :0]
         return logits, features, h
 
     @staticmethod
@@ -404,3 +400,10 @@ def compiled_target(model, max_len: int, feature_layers: Sequence[int] = (), **k
             )
         return model
     return CompiledTarget(model, max_len, feature_layers, **kw)
+
+
+def for_engine(model, engine: str, max_len: int, feature_layers: Sequence[int] = ()):
+    """The model a decoder runs for `engine`: "eager", the model itself; "compiled", `compiled_target`."""
+    if engine not in ("eager", "compiled"):
+        raise ValueError(f"engine must be 'eager' or 'compiled', not {engine!r}")
+    return compiled_target(model, max_len, feature_layers) if engine == "compiled" else model

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from maverick.cli import UserError, positive_int, run_cli
+from maverick.compiled import for_engine
 from maverick.kv_cache import KVCache
 from maverick.model import Llama4
 from maverick.sampling import SamplingParams, logits_to_probs, sample
@@ -106,13 +107,7 @@ class Decoder:
         decoding's in the last bit (fine for data generation, not for the bit-exact baseline).
         engine="compiled": every step on the compiled engine (maverick/compiled.py; `model` may already be
         one, shared with speculative decoders)."""
-        if engine not in ("eager", "compiled"):
-            raise ValueError(f"engine must be 'eager' or 'compiled', not {engine!r}")
-        if engine == "compiled":
-            from maverick.compiled import compiled_target
-
-            model = compiled_target(model, max_len)
-        self.model = model
+        self.model = model = for_engine(model, engine, max_len)
         self.exact = exact
         self.cache = self._new_cache(batch_size, max_len)
         self.step = self._step
