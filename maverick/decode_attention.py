@@ -7,7 +7,7 @@ bounds the step at ~6-7 ms on an H100 however short most rows are. This kernel r
 n_valid[b] slots only (flash-decoding's online softmax, one program per (row, kv head), the G query heads of
 a kv head as the rows of one product), so a step costs what the rows hold.
 
-`decode_attention` checks the kernel once per process against `maverick.model.grouped_decode_attention` on
+`decode_attention` checks the kernel once per process against `grouped_decode_attention` (below) on
 random data and falls back to it (with a warning) when Triton is missing, fails to compile or disagrees:
 a stage on a lent GPU must not die or go wrong on a kernel that could only be tested there.
 """

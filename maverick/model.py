@@ -505,9 +505,8 @@ class Llama4(nn.Module):
         exact=False: the fused kernel, and the model dtype."""
         c = self.config
         dtype = dtype or (torch.float32 if exact and self.device.type == "cpu" else self.dtype)
-        cache = KVCache(
-            c.num_hidden_layers, batch_size, max_len, c.num_key_value_heads, c.head_dim, dtype, self.device
-        )
+        n_kv = self.model.layers[0].self_attn.n_kv  # the config's, or one rank's share (maverick/parallel.py)
+        cache = KVCache(c.num_hidden_layers, batch_size, max_len, n_kv, c.head_dim, dtype, self.device)
         cache.exact = exact
         return cache
 

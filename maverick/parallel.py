@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,7 +76,6 @@ from torch import Tensor, nn
 from maverick.checkpoint import CheckpointError, _safetensors_files, _text_key
 from maverick.cli import UserError, run_cli
 from maverick.config import Llama4Config, get_config
-from maverick.kv_cache import KVCache
 from maverick.model import EXACT_ATTENTION_MAX_T, DecoderLayer, Llama4, MoE, Output, rope_inv_freq
 from maverick.target import load_target
 
@@ -276,22 +276,10 @@ class ParallelDecoderLayer(DecoderLayer):
 
 
 class ParallelLlama4(Llama4):
-    """Llama4 holding one rank's slices: a KV cache of the local kv heads, logits gathered over the
-    vocabulary shards (every rank returns the full logits)."""
+    """Llama4 holding one rank's slices: a KV cache of the local kv heads (Llama4.new_cache reads the
+    attention's n_kv), logits gathered over the vocabulary shards (every rank returns the full logits)."""
 
     shard: Shard
-    local_kv_heads: int
-
-    def new_cache(
-        self, batch_size: int, max_len: int, dtype: torch.dtype | None = None, exact: bool = True
-    ) -> KVCache:
-        c = self.config
-        dtype = dtype or (torch.float32 if exact and self.device.type == "cpu" else self.dtype)
-        cache = KVCache(
-            c.num_hidden_layers, batch_size, max_len, self.local_kv_heads, c.head_dim, dtype, self.device
-        )
-        cache.exact = exact
-        return cache
 
     def forward(self, *args, **kwargs) -> Output:
         out = super().forward(*args, **kwargs)
@@ -349,7 +337,7 @@ def shard_model(model: Llama4, shard: Shard) -> ParallelLlama4:
             moe.expert_start = plan[f"model.layers.{i}.feed_forward.experts.gate_up_proj"][1]
             moe.local_experts = moe.experts.gate_up_proj.shape[0]
     model.__class__ = ParallelLlama4
-    model.shard, model.local_kv_heads = shard, k1 - k0
+    model.shard = shard
     return model
 
 
@@ -415,7 +403,7 @@ def load_hf_sharded(
                 n = t.numel() * t.element_size()
                 stats.bytes_read += n
                 stats.per_key[ours] = n
-                stats.bytes_in_files += t.element_size() * _numel(shape)
+                stats.bytes_in_files += t.element_size() * math.prod(shape)
                 stats.tensors += 1
                 tensors[ours] = t.to(device=device, dtype=dtype)
     missing = sorted(set(plan) - set(tensors))
@@ -445,13 +433,6 @@ def load_model(
     if target is not None and Path(target).is_dir():
         return load_hf_sharded(target, shard, dtype, device)[0]
     return shard_model(load_target(target, dtype, q4=q4), shard).to(device)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 # ---- memory per rank, on the meta device ----
@@ -492,7 +473,7 @@ def memory_report(cfg: Llama4Config, world: int, fp8: bool = False, context: int
             continue
         seen.add(id(t))
         groups[_group(name)] += t.numel() * t.element_size()
-    kv = 2 * cfg.num_hidden_layers * model.local_kv_heads * cfg.head_dim * context * 2
+    kv = 2 * cfg.num_hidden_layers * model.model.layers[0].self_attn.n_kv * cfg.head_dim * context * 2
     return {
         "world": world,
         "fp8": fp8,
