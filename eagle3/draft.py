@@ -43,7 +43,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from maverick.checkpoint import atomic_dir, check_state_dict
-from maverick.cli import UserError
+from maverick.cli import UserError, read_utf8
 from maverick.config import Llama4Config
 from maverick.kv_cache import KVCache, attention_mask
 from maverick.linear import Linear
@@ -404,8 +404,6 @@ def load_draft(
 
 def read_json(path: Path) -> dict:
     """A JSON file; invalid JSON or bytes that are not UTF-8 are a UserError naming the file and line."""
-    from maverick.cli import read_utf8
-
     try:
         return json.loads(read_utf8(path))
     except json.JSONDecodeError as exc:

@@ -20,6 +20,21 @@ from pathlib import Path
 from typing import Any
 
 
+def dense_llama_fields(num_layers: int) -> dict[str, Any]:
+    """The Llama4Config fields that make a plain (Llama 2/3-style) dense model: no experts, RoPE on every
+    layer, no chunked attention, QK norm or temperature tuning (the GGUF and HF Llama loaders' shared part)."""
+    return {
+        "num_local_experts": 0,
+        "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 0,
+        "moe_layers": [],
+        "no_rope_layers": [1] * num_layers,
+        "attention_chunk_size": None,
+        "use_qk_norm": False,
+        "attn_temperature_tuning": False,
+    }
+
+
 @dataclass
 class Llama4Config:
     vocab_size: int = 202048

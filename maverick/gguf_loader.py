@@ -40,6 +40,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES
 from torch import Tensor
 
+from maverick.config import dense_llama_fields
 from maverick.wheel_data import wheel_data_path
 
 Q = GGMLQuantizationType
@@ -366,15 +367,7 @@ def config_from_metadata(meta: dict[str, Any], n_tokens: int | None, has_output:
         "eos_token_id": tok("eos_token_id"),
         "pad_token_id": tok("padding_token_id"),
         "tie_word_embeddings": not has_output,
-        "moe_layers": [],
-        "no_rope_layers": [1] * L,
-        "attention_chunk_size": None,
-        "use_qk_norm": False,
-        "attn_temperature_tuning": False,
-        "num_local_experts": 0,
-        "num_experts_per_tok": 1,
-        "interleave_moe_layer_step": 0,
-    }
+    } | dense_llama_fields(L)
 
 
 # ---------------------------------------------------------------------------------------------------

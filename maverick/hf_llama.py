@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from maverick.cli import UserError
-from maverick.config import Llama4Config
+from maverick.config import Llama4Config, dense_llama_fields
 
 ARCHITECTURE = "LlamaForCausalLM"
 MODEL_TYPE = "llama"
@@ -67,12 +67,9 @@ def is_llama(d: dict[str, Any]) -> bool:
 
 def _rope(d: dict[str, Any], source: str) -> tuple[float, dict | None]:
     """(rope_theta, our rope_scaling) from HF v5 `rope_parameters` or older `rope_theta` + `rope_scaling`."""
-    rp = d.get("rope_parameters")
-    field = "rope_parameters"
+    rp, field = d.get("rope_parameters"), "rope_parameters"
     if rp is None:
-        rp = dict(d.get("rope_scaling") or {})
-        field = "rope_scaling"
-        rp.setdefault("rope_theta", d.get("rope_theta", 10000.0))
+        rp, field = d.get("rope_scaling") or {}, "rope_scaling"
     rp = dict(rp)
     theta = float(rp.pop("rope_theta", d.get("rope_theta", 10000.0)))
     rtype = rp.pop("rope_type", rp.pop("type", "default"))
@@ -121,14 +118,7 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Llama4Conf
         rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-        num_local_experts=0,
-        num_experts_per_tok=1,
-        interleave_moe_layer_step=0,
-        moe_layers=[],
-        no_rope_layers=[1] * L,
-        attention_chunk_size=None,
-        use_qk_norm=False,
-        attn_temperature_tuning=False,
+        **dense_llama_fields(L),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         bos_token_id=d.get("bos_token_id"),
         eos_token_id=d.get("eos_token_id"),

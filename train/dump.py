@@ -52,6 +52,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from eagle3.draft import check_feature_layers
 from maverick.cli import UserError, positive_int, run_cli
 from maverick.model import Llama4
 from maverick.target import TARGET_DTYPES, TARGET_HELP, default_target_path, load_target, target_identity
@@ -629,8 +630,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if args.feature_layers
         else default_feature_layers(cfg.num_hidden_layers)
     )
-    from eagle3.draft import check_feature_layers
-
     check_feature_layers(layers, cfg.num_hidden_layers, "--feature-layers")
     d2t, t2d, coverage = draft_vocab_from(train_split, cfg.vocab_size, args.draft_vocab_size)
     target = target_identity(target_path) | {"dtype": args.target_dtype, "hidden_size": cfg.hidden_size,
