@@ -228,7 +228,7 @@ class Runner:
         max_len = bench_max_len(args)
         self.llama = None
         if is_llama_cpp(name):
-            gguf = args.gguf or str(default_gguf_path())
+            gguf = args.gguf  # main resolved the default
             self.llama = LlamaCpp(
                 name, gguf, max_len, eos, args.threads or 2, getattr(args, "lookup_tokens", 10)
             )
@@ -384,7 +384,7 @@ def main(argv=None) -> int:
     for m in filter(is_llama_cpp, methods):
         require(m)  # a UserError saying how to install llama-cpp-python, before any model loads
     dtype = DTYPES[args.dtype]
-    gguf = args.gguf or str(default_gguf_path())
+    gguf = args.gguf = args.gguf or str(default_gguf_path())
     out_dir = Path(args.out or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     config = {k: v for k, v in vars(args).items()} | {"methods": methods, "gguf": gguf}
     config |= {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": "cpu"}

@@ -49,8 +49,7 @@ class Buckets:
     max_length: int = 1024  # samples are cut to the bucket length that holds this many tokens
 
     def length(self, n: int) -> int:
-        n = min(n, self.max_length)
-        return min(-(-n // self.bucket) * self.bucket, -(-self.max_length // self.bucket) * self.bucket)
+        return -(-min(n, self.max_length) // self.bucket) * self.bucket
 
     def rows(self, T: int) -> int:
         return max(1, self.token_budget // T)

@@ -366,20 +366,27 @@ def save_checkpoint(out: Path, step: int, draft: Eagle3Draft, state: dict[str, A
 RUN_FILES = (LOG_FILE, "checkpoints", "draft", "curve.png")  # what a run leaves in --out
 
 
-def prepare_out(cfg: FitConfig) -> None:
-    """Create --out; one that holds an earlier run is refused unless resuming or `overwrite` (then the
-    earlier run's files are deleted, by the main process)."""
+def check_out(cfg: FitConfig) -> list[str]:
+    """The earlier run's files in --out that this run would replace (`overwrite`); an --out holding a run
+    is refused unless resuming or `overwrite`. Touches nothing, so the CLI checks it before reading data."""
     out = Path(cfg.out)
     held = [n for n in RUN_FILES if (out / n).is_file() or (out / n).is_dir() and any((out / n).iterdir())]
-    if held and not cfg.resume:
-        if not cfg.overwrite:
-            raise UserError(
-                f"--out {out} holds an earlier run ({', '.join(held)}): pass --resume to continue it, "
-                "--overwrite to delete it and start again, or choose another --out"
-            )
-        if int(os.environ.get("RANK", "0")) == 0:
-            for n in held:
-                shutil.rmtree(out / n) if (out / n).is_dir() else (out / n).unlink()
+    if held and not cfg.resume and not cfg.overwrite:
+        raise UserError(
+            f"--out {out} holds an earlier run ({', '.join(held)}): pass --resume to continue it, "
+            "--overwrite to delete it and start again, or choose another --out"
+        )
+    return [] if cfg.resume else held
+
+
+def prepare_out(cfg: FitConfig) -> None:
+    """Create --out (`check_out` first); with `overwrite` the earlier run's files are deleted, by the main
+    process."""
+    out = Path(cfg.out)
+    held = check_out(cfg)
+    if held and int(os.environ.get("RANK", "0")) == 0:
+        for n in held:
+            shutil.rmtree(out / n) if (out / n).is_dir() else (out / n).unlink()
     out.mkdir(parents=True, exist_ok=True)
 
 
@@ -399,16 +406,6 @@ def find_checkpoint(out: Path, resume: str) -> Path | None:
         shutil.rmtree(tmp, ignore_errors=True)
     done = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file())
     return done[-1] if done else None
-
-
-# ----------------------------------------------------------------------------------------------------
-# The target's frozen tensors
-
-
-def target_tensors(path: str | None, dtype: torch.dtype) -> tuple[Tensor, Tensor, Llama4Config]:
-    """(embedding [V, H], lm_head [V, H]) in fp32 after rounding to the target's `dtype` (what the
-    target computed with), and its config. Only these two tensors are read from an HF directory."""
-    return load_target_tables(path, dtype)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -911,6 +908,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = config_from_args(args)
+    check_out(cfg)  # before the dumps' sha256 pass, which can take minutes
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({"config": dataclasses.asdict(cfg)}), flush=True)
     if cfg.dumps and cfg.verify_dumps and int(os.environ.get("RANK", "0")) == 0:
@@ -923,7 +921,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         target = data.manifest["target"]
         target_path = cfg.target or target.get("path")
         dtype = TARGET_DTYPES.get(target.get("dtype", "fp32"), torch.float32)
-        embed, head, tcfg = target_tensors(target_path, dtype)
+        embed, head, tcfg = load_target_tables(target_path, dtype)
         if cfg.target is None and "size" in target:
             if target_identity(target_path)["size"] != target["size"]:
                 raise UserError(

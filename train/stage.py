@@ -31,6 +31,7 @@ write is dropped) and answers only the others; an interrupted training continues
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import random
@@ -52,7 +53,7 @@ from train.acceptance import run_lengths, summarize, target_fields
 from train.dump import default_feature_layers
 from train.fastfit import Buckets, TimeSchedule, bucket_batches, dense_step_sums, target_batch, weighted_loss
 from train.fastgen import Conversation, FastGenerator
-from train.fit import plot_curves
+from train.fit import _append_jsonl, _truncate_log, plot_curves
 from train.samples import draft_vocab_from
 
 ANSWERS = "answers.jsonl.xz"
@@ -271,15 +272,10 @@ class Stage:
             0.0, self.left() - a.score_share * self.budget
         )  # this run's training seconds + earlier
         log_path = self.out / LOG
-        if step == 0 and log_path.exists():
-            log_path.unlink()
-        elif log_path.exists():  # keep the records up to the checkpoint
-            keep = [
-                x for x in log_path.read_text().splitlines() if x.strip() and json.loads(x)["step"] <= step
-            ]
-            tmp = log_path.with_name(LOG + ".tmp")
-            tmp.write_text("".join(x + "\n" for x in keep))
-            os.replace(tmp, log_path)
+        if step == 0:
+            log_path.unlink(missing_ok=True)
+        else:
+            _truncate_log(log_path, step)  # keep the records up to the checkpoint
         fn = lambda b: dense_step_sums(draft, embed, b, a.ttt_steps)  # noqa: E731
         if a.compile:
             fn = torch.compile(fn, dynamic=False)
@@ -325,8 +321,7 @@ class Stage:
                        "loss_i": [round(v, 5) for v in loss_i], "acc_i": [round(v, 5) for v in acc_i],
                        "count_i": sums[2].tolist(), "lr": lr, "grad_norm": float(gn), "tokens": tokens,
                        "tokens_per_s": round(tok_log / dt, 1), "seconds": round(spent + time.perf_counter() - t_run, 1)}  # fmt: skip
-                with open(log_path, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+                _append_jsonl(log_path, rec)
                 print(
                     f"step {step} loss {rec['loss']:.3f} acc0 {acc_i[0]:.3f} tok/s {rec['tokens_per_s']:.0f}",
                     flush=True,
@@ -340,7 +335,7 @@ class Stage:
         ran = time.perf_counter() - t_run
         # the shipped format: bf16 weights (the fp32 master copy only lives in train_state.pt)
         info = json.dumps({"stage": str(self.out), "steps": step, "tokens": tokens}, indent=1)
-        bf16 = load_draft_like(draft).to(torch.bfloat16)
+        bf16 = copy.deepcopy(draft).to(torch.bfloat16)  # save_draft writes it from the CPU
         save_draft(bf16, self.out / "draft", {"training.json": info})
         if log_path.exists():
             recs = [json.loads(x) for x in log_path.read_text().splitlines() if x.strip()]
@@ -443,17 +438,6 @@ def _continued(rec: dict) -> list[list[int]]:
     """The prompts that continue an answered record with its later user turns ("more")."""
     flat = answer_file.sample(rec)["input_ids"]
     return [flat + rec["more"][0]] + rec["more"][1:]
-
-
-def load_draft_like(draft: Eagle3Draft) -> Eagle3Draft:
-    """A detached CPU copy of a draft (its config, weights, vocabulary)."""
-    with torch.device("meta"):
-        copy = Eagle3Draft(draft.config)
-    copy.load_state_dict(
-        {k: v.detach().cpu().clone() for k, v in draft.state_dict().items()}, strict=True, assign=True
-    )
-    copy.inv_freq = draft.inv_freq.detach().cpu().clone()
-    return copy.eval()
 
 
 def build_parser() -> argparse.ArgumentParser:
