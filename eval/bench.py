@@ -60,6 +60,7 @@ from eval.report import (
     BOLD_RED,
     COMPILED_SUFFIX,
     FP8_SUFFIX,
+    Q4_COMPILED_SUFFIX,
     Q4_SUFFIX,
     RESET,
     RunRecord,
@@ -166,7 +167,7 @@ def method_parts(name: str) -> tuple[str, bool, bool]:
     ):
         raise UserError(
             f"unknown method {name!r}; known: {', '.join(ALL_METHODS)} (eagle3 chains also with '{LOOKUP_SUFFIX}' or '{LOOKUP_SUFFIX}{STORE_SUFFIX}', "
-            f"any method of ours with '{FP8_SUFFIX}', '{Q4_SUFFIX}' or '{COMPILED_SUFFIX}')"
+            f"any method of ours with '{FP8_SUFFIX}', '{Q4_SUFFIX}', '{COMPILED_SUFFIX}' or '{Q4_COMPILED_SUFFIX}')"
         )
     return name, lookup, store
 
@@ -423,10 +424,12 @@ def main(argv=None) -> int:
         from maverick.fp8 import convert_to_fp8_weight_only
 
         targets[FP8_SUFFIX] = convert_to_fp8_weight_only(copy.deepcopy(target))
-    if any(variant(m) == Q4_SUFFIX for m in methods):
+    if any(variant(m) in (Q4_SUFFIX, Q4_COMPILED_SUFFIX) for m in methods):
         targets[Q4_SUFFIX] = load_target(gguf, dtype=dtype, q4=True)
     if any(variant(m) == COMPILED_SUFFIX for m in methods):
         targets[COMPILED_SUFFIX] = compiled_engine(target, draft, args)
+    if any(variant(m) == Q4_COMPILED_SUFFIX for m in methods):
+        targets[Q4_COMPILED_SUFFIX] = compiled_engine(targets[Q4_SUFFIX], draft, args)
     runners = {m: Runner(m, args, targets[variant(m)], draft, hf, eos) for m in methods}
 
     gen = torch.Generator().manual_seed(args.seed)

@@ -234,11 +234,13 @@ def _summarise_method(
 FP8_SUFFIX = "+fp8"
 Q4_SUFFIX = "+q4"
 COMPILED_SUFFIX = "-compiled"  # the target's steps on the compiled engine (maverick/compiled.py)
-VARIANT_SUFFIXES = (FP8_SUFFIX, Q4_SUFFIX, COMPILED_SUFFIX)
+Q4_COMPILED_SUFFIX = Q4_SUFFIX + COMPILED_SUFFIX  # the 4-bit target on the compiled engine
+VARIANT_SUFFIXES = (Q4_COMPILED_SUFFIX, FP8_SUFFIX, Q4_SUFFIX, COMPILED_SUFFIX)  # longest match first
 
 
 def variant(method: str) -> str:
-    """The numerics suffix of a method name ("+fp8", "+q4", "-compiled"), or "" for the bf16/fp32 target."""
+    """The numerics suffix of a method name ("+fp8", "+q4", "-compiled", "+q4-compiled"), or "" for the
+    bf16/fp32 target."""
     return next((v for v in VARIANT_SUFFIXES if method.endswith(v)), "")
 
 

@@ -46,10 +46,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from maverick.kv_cache import KVCache
+from maverick.linear import packed_matmul, packed_weight, packed_weights
 from maverick.model import Llama4, Output, _rms, apply_rope, bmm_min_rows, rope_tables
+from maverick.q4 import GROUP, Q4Weight, group_pack, live_pack
 
 CACHE_DIR = Path(__file__).resolve().parent.parent / ".cache" / "inductor"
 DEFAULT_ROWS = (4, 8, 16, 24)  # verify buckets; the decode bucket (1 or 2) is added in front
+SPAN = 64  # a call attends to the slots in use rounded up to a multiple of this (a dynamic dimension)
 
 
 def use_repo_cache() -> None:
@@ -63,16 +66,18 @@ def use_repo_cache() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(CACHE_DIR)
 
 
-def min_invariant_rows(model: Llama4) -> int:
-    """The fewest rows from which every bf16 weight matrix of `model` gives each row the same bits through
-    oneDNN's packed kernel (the kernel inductor's freezing uses for CPU linears); 1 off CPU or bf16."""
+def min_invariant_rows(model: Llama4, head_only: bool = False) -> int:
+    """The fewest rows from which every bf16 weight matrix of `model` (head_only: the head, the one dense
+    matrix of a 4-bit engine) gives each row the same bits through oneDNN's packed kernel (the kernel
+    inductor's freezing uses for CPU linears); 1 off CPU or bf16."""
     if model.device.type != "cpu" or model.dtype != torch.bfloat16:
         return 1
     from maverick.linear import _SUPPORTED, invariant_rows, packed_linear, packed_weight
 
     if not _SUPPORTED:
         return 1
-    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)}
+    linears = [model.lm_head] if head_only else [m for m in model.modules() if isinstance(m, nn.Linear)]
+    shapes = {tuple(m.weight.shape) for m in linears}
     lo = 1
     for N, K in sorted(shapes):
         w = torch.randn(N, K, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
@@ -81,6 +86,30 @@ def min_invariant_rows(model: Llama4) -> int:
             lo, invariant_rows(lambda x, p=packed: packed_linear(x, p, None), "packed", (N, K), w.dtype)[0]
         )
     return lo
+
+
+def _q4_packs(model: Llama4) -> dict[str, list[Q4Weight]] | None:
+    """Every layer's live 4-bit packs (maverick/q4.py) by "<layer>_<qkv|o|gate_up|down>": one pack for the
+    group, or one per projection where they do not stack; None unless every projection of every layer has
+    one (a model loaded with q4=True from a Q4 GGUF)."""
+    out = {}
+    for name, layers in _groups(model):
+        packs = [live_pack(m) for m in layers]
+        if any(p is None for p in packs):
+            return None
+        group = group_pack(layers)
+        out[name] = [group] if group is not None else packs
+    return out
+
+
+def _groups(model: Llama4):
+    """("<layer>_<qkv|o|gate_up|down>", the projections multiplied side by side) for every layer."""
+    for i, layer in enumerate(model.model.layers):
+        a, f = layer.self_attn, layer.feed_forward
+        yield f"{i}_qkv", (a.q_proj, a.k_proj, a.v_proj)
+        yield f"{i}_o", (a.o_proj,)
+        yield f"{i}_gate_up", (f.gate_proj, f.up_proj)
+        yield f"{i}_down", (f.down_proj,)
 
 
 class _Step(nn.Module):
@@ -92,16 +121,30 @@ class _Step(nn.Module):
     features [B, T, n H] (the states entering `feature_layers`, concatenated; [B, T, 0] for none),
     hidden [B, T, H] (after the final norm)."""
 
-    def __init__(self, model: Llama4, feature_layers: tuple[int, ...]):
+    def __init__(self, model: Llama4, feature_layers: tuple[int, ...], prepack: bool = False):
         super().__init__()
         self.model = model
         self.feature_layers = feature_layers
         self.bmm_rows = bmm_min_rows()  # probed here, eagerly: a compiled region cannot run the probe
+        self.q4 = _q4_packs(model)
+        for name, packs in (self.q4 or {}).items():  # buffers: graph inputs (or constants, frozen)
+            for j, pack in enumerate(packs):
+                self.register_buffer(f"q4w_{name}_{j}", pack.packed, persistent=False)
+                self.register_buffer(f"q4sz_{name}_{j}", pack.scale_zero, persistent=False)
+        self.prepack = prepack
+        if prepack:  # the dense weights packed for oneDNN here, as freezing would, kept as buffers
+            self.register_buffer("pk_head", packed_weight(model.lm_head.weight), persistent=False)
+            if self.q4 is None:
+                for name, layers in _groups(model):
+                    w = packed_weights([m.weight for m in layers])
+                    self.register_buffer(f"pk_{name}", w, persistent=False)
 
-    def forward(self, tokens: Tensor, start: Tensor, k_cache: Tensor, v_cache: Tensor):
+    def forward(self, tokens: Tensor, start: Tensor, k_cache: Tensor, v_cache: Tensor, span: Tensor):
         m, cfg = self.model, self.model.config
         B, T = tokens.shape
-        S = k_cache.shape[3]
+        S = (
+            span.shape[0] * SPAN
+        )  # the slots attended to: SPAN-slot blocks, dynamic (one graph for every length)
         dev = tokens.device
         pos = start[:, None] + torch.arange(T, device=dev)  # [B, T]
         cos, sin = rope_tables(pos, m.inv_freq)
@@ -121,7 +164,7 @@ class _Step(nn.Module):
                 feats[i] = x
             a, f = layer.self_attn, layer.feed_forward
             h = layer.input_layernorm(x)
-            qkv = F.linear(h, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+            qkv = self._linear(h, f"{i}_qkv", (a.q_proj, a.k_proj, a.v_proj))
             o = self._attend(
                 a,
                 qkv,
@@ -131,28 +174,45 @@ class _Step(nn.Module):
                 chunk_bias if a.chunked else bias,
                 k_cache,
                 v_cache,
+                S,
                 i,
                 rows,
                 self.bmm_rows,
             )
-            x = x + F.linear(o, a.o_proj.weight)
+            x = x + self._linear(o, f"{i}_o", (a.o_proj,))
             h = layer.post_attention_layernorm(x)
-            gate_up = F.linear(h, torch.cat([f.gate_proj.weight, f.up_proj.weight]))
+            gate_up = self._linear(h, f"{i}_gate_up", (f.gate_proj, f.up_proj))
             I = f.gate_proj.weight.shape[0]
-            x = x + F.linear(F.silu(gate_up[..., :I]) * gate_up[..., I:], f.down_proj.weight)
+            x = x + self._linear(F.silu(gate_up[..., :I]) * gate_up[..., I:], f"{i}_down", (f.down_proj,))
         if cfg.num_hidden_layers in self.feature_layers:
             feats[cfg.num_hidden_layers] = x
         h = m.model.norm(x)
-        logits = F.linear(h, m.lm_head.weight)
+        logits = packed_matmul(h, self.pk_head) if self.prepack else F.linear(h, m.lm_head.weight)
         features = torch.cat([feats[i] for i in self.feature_layers], -1) if feats else x[..., :0]
         return logits, features, h
 
+    def _linear(self, x: Tensor, name: str, layers: tuple[nn.Module, ...]) -> Tensor:
+        """x times the layers' weights side by side: their 4-bit pack where the model has them (torch's int4
+        kernel, maverick/q4.py), else the dense weights concatenated (freezing folds the concatenation)."""
+        if self.q4 is None:
+            if self.prepack:
+                return packed_matmul(x, getattr(self, f"pk_{name}"))
+            return F.linear(x, torch.cat([m.weight for m in layers]) if len(layers) > 1 else layers[0].weight)
+        x2 = x.reshape(-1, x.shape[-1])
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        ys = [
+            mm(x2, getattr(self, f"q4w_{name}_{j}"), GROUP, getattr(self, f"q4sz_{name}_{j}"))
+            for j in range(len(self.q4[name]))
+        ]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, -1)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
     @staticmethod
     def _attend(
-        a, qkv, pos, cos, sin, bias, k_cache, v_cache, layer: int, rows, min_rows: int | None
+        a, qkv, pos, cos, sin, bias, k_cache, v_cache, S, layer: int, rows, min_rows: int | None
     ) -> Tensor:
         """`Attention.attend` for the compiled step: qkv [B, T, (Hq + 2 Hkv) D] -> [B, T, Hq D]; this layer's
-        cache k/v [B, Hkv, S, D] written at slots `pos`; attention in fp32 over all S slots, `bias` masking."""
+        cache k/v written at slots `pos`; attention in fp32 over the first S slots, `bias` masking."""
         B, T, _ = qkv.shape
         Hq, Hkv, D = a.n_heads, a.n_kv, a.head_dim
         G = Hq // Hkv
@@ -176,21 +236,26 @@ class _Step(nn.Module):
         )
         k_cache.index_put_(idx, k.to(k_cache.dtype))  # k [B, T, Hkv, D] at [layer, b, h, pos[b, t]]
         v_cache.index_put_(idx, v.to(v_cache.dtype))
-        S = k_cache.shape[3]
         q_f = q.float().view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
-        k_f, v_f = k_cache[layer].float(), v_cache[layer].float()  # [B, Hkv, S, D]
+        k_f, v_f = k_cache[layer, :, :, :S].float(), v_cache[layer, :, :, :S].float()  # [B, Hkv, S, D]
         if min_rows is None:  # no row count keeps fp32 bmm's bits here: reductions (slower, tested invariant)
             scores = (q_f[:, :, :, :, None] * k_f[:, :, None, None]).sum(-1)  # [B, Hkv, G, T, S]
             probs = (scores * D**-0.5 + bias).softmax(-1)
             o = (probs[..., None] * v_f[:, :, None, None]).sum(-2)  # [B, Hkv, G, T, D]
-        else:  # two fp32 bmm of at least `rows` rows, as model.exact_attention: every row keeps its bits
+        else:  # fp32 bmm of at least `rows` rows, as model.exact_attention: every row keeps its bits
             n = G * T
             pad = (0, 0, 0, max(min_rows - n, 0))
             q_f = F.pad(q_f.reshape(B * Hkv, n, D), pad)
             scores = torch.bmm(q_f, k_f.reshape(B * Hkv, S, D).transpose(1, 2))[:, :n]
             probs = (scores.view(B, Hkv, G, T, S) * D**-0.5 + bias).softmax(-1)
-            p = F.pad(probs.reshape(B * Hkv, n, S), pad)
-            o = torch.bmm(p, v_f.reshape(B * Hkv, S, D))[:, :n].view(B, Hkv, G, T, D)
+            # probs @ v per block of SPAN slots, the blocks summed in order: a bmm over all S slots sums
+            # them in an order that changes with S (measured), the blocks' fixed-size products do not, and
+            # the masked blocks past the keys in use add exact zeros at the end
+            m = S // SPAN
+            p = F.pad(probs.reshape(B * Hkv, n, m, SPAN).transpose(1, 2), pad)  # [B Hkv, m, n', SPAN]
+            p = p.reshape(B * Hkv * m, -1, SPAN)
+            o = torch.bmm(p, v_f.reshape(B * Hkv * m, SPAN, D)).view(B * Hkv, m, -1, D)
+            o = o[:, :, :n].sum(1).view(B, Hkv, G, T, D)
         return o.permute(0, 3, 1, 2, 4).reshape(B, T, Hq * D).to(qkv.dtype)
 
 
@@ -217,7 +282,7 @@ class CompiledTarget:
         feature_layers: Sequence[int] = (),
         rows: Sequence[int] = DEFAULT_ROWS,
         autotune: bool = False,
-        cpp_wrapper: bool = False,
+        cpp_wrapper: bool = True,
     ):
         bad = [i for i, layer in enumerate(model.model.layers) if layer.is_moe or not layer.flat_ok()]
         if bad:
@@ -228,13 +293,15 @@ class CompiledTarget:
         self.base = model
         self.max_len = max_len
         self.feature_layers = tuple(feature_layers)
-        lo = min_invariant_rows(model)
+        q4 = _q4_packs(model) is not None  # torch's int4 kernel keeps each row's bits from 1 row (q4.py)
+        lo = min_invariant_rows(model, head_only=q4)
         self.rows = tuple(sorted({lo, *(r for r in rows if r > lo)}))
         if model.device.type == "cuda":  # GPU matmuls choose kernels by row count; one bucket, ~free there
             self.rows = (max(self.rows),)
-        self.slots = max_len + self.rows[-1]
-        self.step = _Step(model, self.feature_layers).eval()
-        options = {"freezing": True, "emulate_precision_casts": True}
+        self.slots = max(2, -(-(max_len + self.rows[-1]) // SPAN)) * SPAN
+        freeze = not q4 or model.device.type == "cuda"  # see the module docstring: cached or fast
+        self.step = _Step(model, self.feature_layers, prepack=not freeze).eval()
+        options = {"freezing": freeze, "emulate_precision_casts": True}
         if model.device.type == "cuda":
             options["triton.cudagraphs"] = True  # mode="reduce-overhead"
         else:
@@ -242,6 +309,8 @@ class CompiledTarget:
         self.options = options
         self._fn = torch.compile(self.step, dynamic=False, fullgraph=True)
         self.compile_seconds: dict[int, float] = {}  # bucket -> seconds of its first call
+        self._spans: dict[int, Tensor] = {}
+        self.span_slots: int | None = None  # force every call's key span (tests: bits across spans)
 
     # ---- what decoding reads from a model ----
 
@@ -274,12 +343,13 @@ class CompiledTarget:
         cache = KVCache(
             c.num_hidden_layers,
             batch_size,
-            self.slots,
+            self.slots + 1,  # a spare slot: a span never reaches the end (a full-length slice specialises)
             c.num_key_value_heads,
             c.head_dim,
             self.dtype,
             self.device,
         )
+        cache.max_len = self.slots
         cache.slice_to_bound = False
         cache.compiled = True
         if self.device.type == "cuda":  # CUDA graphs replay on fixed addresses
@@ -357,13 +427,28 @@ class CompiledTarget:
         t0 = time.perf_counter() if R not in self.compile_seconds else None
         if self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
-        with torch._inductor.config.patch(self.options):  # options=... to torch.compile skip freezing (2.13)
-            out = self._fn(tokens, cache.lengths, cache.k, cache.v)
+        span = self._span(cache, R)
+        # options=... to torch.compile skip freezing (2.13); every engine's graphs count against the one
+        # recompile limit of _Step.forward's code (buckets x engines: a bf16 and a 4-bit engine in one bench)
+        with torch._inductor.config.patch(self.options), torch._dynamo.config.patch(recompile_limit=64):
+            out = self._fn(tokens, cache.lengths, cache.k, cache.v, span)
         if self.device.type == "cuda":  # the next replay overwrites a CUDA graph's outputs
             out = tuple(t.clone() for t in out)
         if t0 is not None:
             self.compile_seconds[R] = time.perf_counter() - t0
         return out
+
+    def _span(self, cache: KVCache, R: int) -> Tensor:
+        """The shape carrier of a call's key span: the committed slots plus R (or the span forced on the
+        engine, `span_slots`) in blocks of SPAN slots; an empty tensor of one row per block, whose length the
+        graph reads, marked dynamic so that one graph serves every span."""
+        # at least 2 blocks: a dynamic size of 1 would be specialised, a second graph per bucket
+        blocks = max(2, -(-(self.span_slots or int(cache.lengths.max()) + R) // SPAN))
+        span = self._spans.get(blocks)
+        if span is None:
+            span = self._spans[blocks] = torch.empty(blocks, 0, device=self.device)
+            torch._dynamo.mark_dynamic(span, 0)
+        return span
 
     def _eager(self, tokens, cache, positions, tree_mask, feature_layers, logits, inputs_embeds) -> Output:
         """The eager model, on this engine's cache too (prefill): its bookkeeping slices to the part in use."""

@@ -82,6 +82,18 @@ def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+@torch.library.custom_op("maverick::packed_matmul", mutates_args=())
+def packed_matmul(x: Tensor, packed: Tensor) -> Tensor:
+    """`packed_linear` without bias as an opaque op: a compiled graph calls it on a packed weight that is an
+    input of the graph (inductor's own oneDNN lowering needs the weight frozen into a constant)."""
+    return packed_linear(x, packed, None)
+
+
+@packed_matmul.register_fake
+def _(x: Tensor, packed: Tensor) -> Tensor:
+    return x.new_empty(*x.shape[:-1], packed.shape[0])
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear`, through the packed weight when `use_packed` says so (same result, see module docstring)."""
     if use_packed(x, weight):

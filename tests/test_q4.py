@@ -21,7 +21,7 @@ from maverick.generate import Decoder
 from maverick.gguf_loader import dequantize, q4_parts
 from maverick.gguf_model import load_gguf_model
 from maverick.linear import Linear, fused_linear
-from maverick.q4 import Q4_MAX_ROWS, Q4Weight, attach_q4, live_pack, q4_matmul
+from maverick.q4 import Q4_MAX_ROWS, Q4Weight, attach_q4, group_pack, live_pack, q4_matmul
 from maverick.tokenizer import encode_chat, load_tokenizer
 
 DRAFT = "eagle3/drafts/smollm2-135m-instruct"
@@ -104,6 +104,22 @@ def test_grouped_layers_give_each_layers_bits():
         layers[2].weight.mul_(2)  # written: no longer the pack's weights, the dense path for all three
         dense = torch.cat([F.linear(x, m.weight) for m in layers], -1)
         torch.testing.assert_close(fused_linear(x, layers), dense, rtol=0, atol=0)
+
+
+def test_packs_that_do_not_fill_the_kernels_row_blocks_are_not_stacked():
+    """The kernel packs rows in blocks (64 here): packs of 32 + 32 rows concatenated gave other numbers, so
+    group_pack refuses them (the fused call then takes the dense weights) and a 64 + 32 stack is kept."""
+    small = [random_layer(n, 64, 10 + i, exact=True)[0] for i, n in enumerate((32, 32))]
+    whole = [random_layer(n, 64, 20 + i, exact=True)[0] for i, n in enumerate((64, 32))]
+    assert group_pack(small) is None
+    assert group_pack(whole) is not None
+    x = torch.randn(3, 64).bfloat16()
+    with torch.no_grad():
+        for layers in (small, whole):
+            want = torch.cat([m(x) for m in layers], -1).float()
+            torch.testing.assert_close(fused_linear(x, layers).float(), want, rtol=0.02, atol=0.02)
+        naive = Q4Weight.cat([m.q4 for m in small])
+        assert not torch.equal(q4_matmul(x, naive), torch.cat([q4_matmul(x, m.q4) for m in small], -1))
 
 
 def test_dense_weight_for_many_rows_gradients_and_after_writes():
