@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-all bench bench-full lint format
+.PHONY: setup test test-all bench bench-full bench-engine lint format
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -26,12 +26,16 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ''
 
-# the main job, ~5 minutes on 2 cores: 3 MT-bench questions x 2 turns, 7 methods; bench-full: 10 questions, every method
+# the main job, ~1.5 minutes on 2 cores: 3 MT-bench questions x 2 turns, 7 methods; bench-full: 10 questions,
+# every method; bench-engine: eager vs compiled, bf16 vs 4-bit, and llama.cpp (pip install -e '.[llamacpp]')
 bench: $(STAMP)
 	$(BIN)/python -m eval.bench --preset quick
 
 bench-full: $(STAMP)
 	$(BIN)/python -m eval.bench --preset full
+
+bench-engine: $(STAMP)
+	$(BIN)/python -m eval.bench --preset engine
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,7 +1,8 @@
 """The main job: speed and quality of every decoding method, side by side, in one run.
 
     python -m eval.bench                       # MT-bench, SmolLM2-135M-Instruct + the shipped draft
-    python -m eval.bench --preset quick        # 3 questions, 7 methods: ~5 minutes on 2 cores
+    python -m eval.bench --preset quick        # 3 questions, 7 methods: ~1.5 minutes on 2 cores
+    python -m eval.bench --preset engine       # eager vs compiled, bf16 vs 4-bit, llama.cpp if installed
     python -m eval.bench --bench humaneval --n 20 --methods ours-plain,eagle3-tuned
 
 Methods run alternately prompt by prompt (the order rotates each prompt) so machine drift cancels out;
@@ -30,8 +31,10 @@ cut turns (config.truncated_turns).
 
 Output: the config first, a progress bar, then a compact table (accept@1-3); report.json (all records),
 report.md (every column) and plots in --out. `--preset quick` (make bench) runs 3 questions and the
-methods that tell the story in ~5 minutes on 2 cores; `--preset full` (the default; make bench-full) all
-default methods on 10.
+methods that tell the story in ~1.5 minutes on 2 cores; `--preset full` (the default; make bench-full) all
+default methods on 10; `--preset engine` (make bench-engine) the engines side by side on 3, llama.cpp's
+rows included when llama-cpp-python is installed (compiling the two engines takes ~9 minutes the first
+time on 2 cores; the 4-bit engine's graphs load from the cache after that).
 """
 
 from __future__ import annotations
@@ -91,8 +94,8 @@ ALL_METHODS = [
     "ours-plain+q4",
     "eagle3-tuned+lookup+q4",
 ]
-# --preset: the methods that tell the story on a few questions, or every default method on ten. quick fits
-# in ~5 minutes on 2 cores (3 questions x 2 turns x 128 tokens x 7 methods: ~800 tokens per method at the
+# --preset: the methods that tell the story on a few questions, or every default method on ten. quick took
+# 1.5 minutes on 2 cores (3 questions x 2 turns x 128 tokens x 7 methods: ~800 tokens per method at the
 # tok/s of docs/results.md, plus loading); full is today's 20-minute run. Flags given explicitly win.
 QUICK_METHODS = [
     "hf-generate",
@@ -103,9 +106,23 @@ QUICK_METHODS = [
     "ours-plain+q4",
     "eagle3-tuned+lookup+q4",
 ]
+# engine: eager against compiled, bf16 against 4-bit, and llama.cpp on the same file when
+# llama-cpp-python is installed (the pip extra `llamacpp`; without it those rows are left out, with a note)
+ENGINE_METHODS = [
+    "ours-plain",
+    "ours-plain-compiled",
+    "ours-plain+q4",
+    "ours-plain+q4-compiled",
+    "eagle3-tuned+lookup",
+    "eagle3-tuned+lookup-compiled",
+    "eagle3-tuned+lookup+q4",
+    "eagle3-tuned+lookup+q4-compiled",
+]
+LLAMA_CPP_METHODS = ["llama.cpp", "llama.cpp-prompt-lookup"]
 PRESETS = {
     "quick": {"n": 3, "methods": ",".join(QUICK_METHODS)},
     "full": {"n": 10, "methods": ",".join(ALL_METHODS)},
+    "engine": {"n": 3, "methods": ",".join(ENGINE_METHODS + LLAMA_CPP_METHODS)},
 }
 LOOKUP_SUFFIX = "+lookup"
 STORE_SUFFIX = "+store"
@@ -170,6 +187,17 @@ def method_parts(name: str) -> tuple[str, bool, bool]:
             f"any method of ours with '{FP8_SUFFIX}', '{Q4_SUFFIX}', '{COMPILED_SUFFIX}' or '{Q4_COMPILED_SUFFIX}')"
         )
     return name, lookup, store
+
+
+def without_missing_llama_cpp(methods: list[str]) -> list[str]:
+    """The engine preset runs without the optional llama.cpp extra: its rows are left out, with a note."""
+    try:
+        for m in filter(is_llama_cpp, methods):
+            require(m)
+    except UserError as e:
+        print(f"note: no llama.cpp rows: {e}", file=sys.stderr)
+        return [m for m in methods if not is_llama_cpp(m)]
+    return methods
 
 
 def check_method_names(methods: list[str]) -> None:
@@ -382,6 +410,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     check_method_names(methods)
+    if args.preset == "engine" and args.methods == PRESETS["engine"]["methods"]:
+        methods = without_missing_llama_cpp(methods)
     for m in filter(is_llama_cpp, methods):
         require(m)  # a UserError saying how to install llama-cpp-python, before any model loads
     dtype = DTYPES[args.dtype]

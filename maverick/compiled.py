@@ -1,37 +1,51 @@
-"""The compiled target engine: a built `Llama4`'s decode and verify steps as fixed-shape compiled graphs.
+"""The compiled target engine: a built `Llama4`'s decode and verify steps as compiled graphs.
 
 Eager decoding of a small model is bound by the cost per operation, not by the weights: a SmolLM2 step
 is ~30 layers x ~25 small ops, each paying Python dispatch. `CompiledTarget` wraps a built model and runs
 every short call (decode: 1 token; chain verify: k + 1 tokens) as one whole-model graph compiled by
-inductor: fixed shapes, the static KV cache passed in and written in place, attention over the whole
-preallocated cache, elementwise work (residual + RMSNorm, RoPE, SwiGLU, the attention's softmax) fused,
-no Python inside a step. On CPU: `freezing` (weights become constants, prepacked for oneDNN),
-optionally `max_autotune` (inductor's CPU GEMM templates). On CUDA the same graphs are replayed as CUDA
-graphs (`triton.cudagraphs`, what `mode="reduce-overhead"` sets). Long calls (prefill) and tree
-verifies run on the eager model.
+inductor: the static KV cache passed in and written in place, elementwise work (residual + RMSNorm, RoPE,
+SwiGLU, the attention's softmax) fused, no Python inside a step, and on CPU inductor's C++ wrapper
+(`cpp_wrapper`: the graph is one C++ call instead of a Python function of ~400 kernel launches; measured
+on frozen graphs, plain 4-bit decoding 148 against 123 tok/s; on the unfrozen 4-bit graphs below, no
+difference: 6.72 against 6.60 ms a step). On CUDA the same graphs are replayed as CUDA graphs
+(`triton.cudagraphs`, what `mode="reduce-overhead"` sets). Long calls (prefill) and tree verifies run on
+the eager model.
+
+Where a step's time goes (4-bit SmolLM2, decode at a 300-token context, 6.6 ms, torch.profiler, AMD EPYC
+Zen 4, 2 threads): the int4 linears 37%, the head (oneDNN bf16) 18%, the graph's fused kernels and its
+wrapper 26%, dynamo's guard checks before each call 9%, the attention's bmm 6%.
+
+Weights. A dense bf16 model is compiled with `freezing`: its weights become constants that inductor
+packs for oneDNN and calls directly. A model loaded with q4=True (maverick/q4.py) runs its projections
+through torch's int4 kernel on the GGUF's own 4-bit codes, inside the graph: ~3.5x fewer bytes streamed
+per step than bf16. Its packs, and the head packed for oneDNN once here, are graph inputs, not frozen
+constants: inductor's FX graph cache skips frozen graphs (torch 2.13), so only the 4-bit engine's
+graphs load from the cache in a later run (a bucket in ~9 s instead of ~50 s). The dense engine stays
+frozen because its 121 linears through an opaque op on unfrozen packed weights ran at 72 instead of
+99 tok/s (measured).
 
 Row counts. A call of T tokens runs the graph of the smallest row bucket >= T (`rows`), padded with
 token 0 at the positions after the real ones: causal masking keeps the padding out of every real row,
 and the padding's cache writes land past the committed length, which nothing reads. Greedy speculative
 decoding is bit-exact with plain decoding on this engine only if a token's logits have the same bits in
-every bucket; the smallest bucket is the smallest row count from which oneDNN's bf16 matmul keeps each
-row's bits (`maverick.linear.invariant_rows`: 1 on the Xeon with AMX, 2 on AMD Zen 4), and
+every bucket; the smallest bucket is the smallest row count from which oneDNN's bf16 matmuls keep each
+row's bits (`maverick.linear.invariant_rows`: 1 on the Xeon with AMX, 2 on AMD Zen 4 for the dense
+model, whose down projection needs 2; 1 for the 4-bit model, whose one dense matmul is the head), and
 tests/test_compiled.py measures the invariance of the compiled graphs themselves.
 
-Attention is two fp32 bmm over the whole cache with the mask and softmax fused between them, each bmm on
-at least `model.bmm_min_rows()` rows (padded), the count from which this CPU's fp32 bmm keeps every row's
-bits. Written instead as broadcast multiplies and reductions (what inductor fuses into one loop nest; the
-fallback where no such row count exists) it cost ~17 of a 25 ms SmolLM2 step on AMD Zen 4 (measured).
+Attention reads the slots in use, not the whole cache: a call attends to the committed length plus its
+rows rounded up to blocks of SPAN slots, a dynamic dimension (one graph per bucket serves every length;
+a graph over the whole cache spent 4.5 of 8.7 ms per step on a 2,432-slot cache, measured). It is two
+fp32 bmm with the mask and softmax fused between them, each on at least `model.bmm_min_rows()` rows
+(padded), the count from which this CPU's fp32 bmm keeps every row's bits. probs @ v runs per block of
+SPAN slots and sums the blocks in order: one bmm over all S slots changed bits with S (measured), while
+the masked blocks past the keys in use add exact zeros at the end, so a row's bits do not depend on the
+span (tested). Written instead as broadcast multiplies and reductions (the fallback where no row count
+keeps bmm's bits) it cost ~17 of a 25 ms SmolLM2 step on AMD Zen 4 (measured).
 
-Measured (`python -m eval.bench_engine --n 3 --rows 8`, SmolLM2-135M bf16, AMD EPYC Zen 4, 2 threads, a
-machine shared with other jobs): a decode step 12.9 ms compiled against 19.1 ms eager, an 8-token verify
-1.30x a decode step (eager 1.16x); plain decoding 74.5 against 62.5 tok/s; 64% of a compiled step is
-oneDNN's bf16 matmuls streaming the weights, the rest the fused kernels, the attention's bmm and ~0.7 ms
-of guard checks. Compile: ~100 s for two buckets cold, ~45 s from the cache.
-
-Compiled artifacts go to inductor's FX graph cache under `.cache/inductor` in the repository (or
-$TORCHINDUCTOR_CACHE_DIR): a second run traces again but skips code generation and C++ compilation.
-`compile()` builds every bucket up front and reports the seconds apart from the time to first token.
+Compiled artifacts go to inductor's caches under `.cache/inductor` in the repository (or
+$TORCHINDUCTOR_CACHE_DIR). `compile()` builds every bucket up front and reports the seconds apart from
+the time to first token.
 """
 
 from __future__ import annotations
@@ -53,6 +67,7 @@ from maverick.q4 import GROUP, Q4Weight, group_pack, live_pack
 CACHE_DIR = Path(__file__).resolve().parent.parent / ".cache" / "inductor"
 DEFAULT_ROWS = (4, 8, 16, 24)  # verify buckets; the decode bucket (1 or 2) is added in front
 SPAN = 64  # a call attends to the slots in use rounded up to a multiple of this (a dynamic dimension)
+SLOTS_ROUND = 1024  # an engine's cache holds a multiple of this many slots
 
 
 def use_repo_cache() -> None:
@@ -265,7 +280,7 @@ class CompiledTarget:
     `model` (the layers, e.g. the embedding the draft reads).
 
     max_len: the tokens every cache of this engine holds (its slots: max_len + the largest bucket, room for
-    a padded call at the end; the graphs' fixed key count).
+    a padded call at the end, rounded up to SLOTS_ROUND).
     feature_layers: the states every compiled call returns (a draft's feature layers): plain decoding
     computes them too, so plain and speculative decoding run the same graphs.
     rows: the verify buckets; the decode bucket (`min_invariant_rows`) is added in front. On CUDA every
@@ -298,7 +313,9 @@ class CompiledTarget:
         self.rows = tuple(sorted({lo, *(r for r in rows if r > lo)}))
         if model.device.type == "cuda":  # GPU matmuls choose kernels by row count; one bucket, ~free there
             self.rows = (max(self.rows),)
-        self.slots = max(2, -(-(max_len + self.rows[-1]) // SPAN)) * SPAN
+        # rounded up to SLOTS_ROUND: the cache's shape is part of every graph, so engines of nearby max_len
+        # (a CLI call per prompt) share the graphs cached on disk
+        self.slots = -(-(max_len + self.rows[-1]) // SLOTS_ROUND) * SLOTS_ROUND
         freeze = not q4 or model.device.type == "cuda"  # see the module docstring: cached or fast
         self.step = _Step(model, self.feature_layers, prepack=not freeze).eval()
         options = {"freezing": freeze, "emulate_precision_casts": True}
@@ -310,7 +327,8 @@ class CompiledTarget:
         self._fn = torch.compile(self.step, dynamic=False, fullgraph=True)
         self.compile_seconds: dict[int, float] = {}  # bucket -> seconds of its first call
         self._spans: dict[int, Tensor] = {}
-        self.span_slots: int | None = None  # force every call's key span (tests: bits across spans)
+        # force every call's key span (tests: bits across spans); on CUDA the whole cache, one graph shape
+        self.span_slots: int | None = self.slots if model.device.type == "cuda" else None
 
     # ---- what decoding reads from a model ----
 
@@ -447,7 +465,8 @@ class CompiledTarget:
         span = self._spans.get(blocks)
         if span is None:
             span = self._spans[blocks] = torch.empty(blocks, 0, device=self.device)
-            torch._dynamo.mark_dynamic(span, 0)
+            if self.device.type != "cuda":  # CUDA graphs replay one shape: the whole cache there
+                torch._dynamo.mark_dynamic(span, 0)
         return span
 
     def _eager(self, tokens, cache, positions, tree_mask, feature_layers, logits, inputs_embeds) -> Output:

@@ -196,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compile", action="store_true", help="torch.compile the eager one-token step")
     ap.add_argument("--engine", choices=["eager", "compiled"], default="eager",
-                    help="compiled: whole-model fixed-shape graphs, inductor freezing (maverick/compiled.py)")  # fmt: skip
+                    help="compiled: whole-model compiled graphs (maverick/compiled.py); with --q4 the int4 kernel inside them")  # fmt: skip
     ap.add_argument("--q4", action="store_true",
                     help="keep the GGUF's quantised linears packed (bf16: maverick/q4.py; fp32: maverick/codes.py): faster decoding")  # fmt: skip
     args = ap.parse_args(argv)
@@ -204,10 +204,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if shard is not None and (args.q4 or args.compile or args.engine == "compiled"):
         ap.error("--q4, --compile and --engine compiled run in one process only: drop them under torchrun")
 
-    if args.q4 and (args.compile or args.engine == "compiled"):
-        ap.error(
-            "--q4 runs eager (a compiled step would take the dense weights): drop --compile/--engine or --q4"
-        )
+    if args.q4 and args.compile:
+        ap.error("--q4 with --compile would trace the dense weights: use --engine compiled with --q4")
+    if args.q4 and args.engine == "compiled" and args.dtype != "bf16":
+        ap.error("--q4 --engine compiled runs the int4 kernel on bf16: add --dtype bf16 or drop --q4")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     model = load_model(shard, dtype, args.target, q4=args.q4)
     tok = load_target_tokenizer(args.tokenizer or args.target)

@@ -87,3 +87,14 @@ def test_compiled_and_llama_cpp_rows_get_their_references():
     assert is_lossless_method("eagle3-tuned+lookup-compiled", "ours-plain-compiled")
     assert not is_lossless_method("ours-plain-compiled", "ours-plain")  # other numerics: shown only
     assert not is_lossless_method("llama.cpp", "ours-plain")
+
+
+def test_engine_preset_leaves_out_llama_cpp_rows_when_missing(monkeypatch, capsys):
+    """--preset engine runs without the optional extra: the llama.cpp rows are dropped with a note, the
+    rest kept; with the binding present, they stay."""
+    methods = bench.PRESETS["engine"]["methods"].split(",")
+    assert "llama.cpp" in methods and "ours-plain+q4-compiled" in methods
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    kept = bench.without_missing_llama_cpp(methods)
+    assert kept == [m for m in methods if not m.startswith("llama.cpp")]
+    assert "note: no llama.cpp rows" in capsys.readouterr().err
