@@ -107,6 +107,21 @@ def test_counts_below_one_are_refused_before_work(module, argv, option, capsys):
     assert code == 2 and f"argument {option}: must be >= 1, got" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--q4", "--compile"], "use --engine compiled with --q4"),
+        (["--q4", "--engine", "compiled", "--dtype", "fp32"], "add --dtype bf16"),
+    ],
+)
+def test_generate_q4_engine_combinations_refused_before_loading(argv, says, capsys):
+    """--q4 runs on the compiled engine in bf16 only; the other combinations stop before any model loads."""
+    from maverick import generate
+
+    code, err = exit_status(generate.main, ["--prompt", "hi", *argv], capsys)
+    assert code == 2 and says in err and "Traceback" not in err
+
+
 def test_decoders_emit_nothing_for_zero_new_tokens_and_refuse_negative(target):
     prompt = [[5, 9, 2, 7, 11]]
     eos = target.config.eos_ids
