@@ -22,14 +22,13 @@ from eagle3.draft import load_draft
 from eagle3.lookup import LookupConfig
 from eagle3.spec import SpecDecoder
 from eagle3.tuner import DraftLengthTuner
+from eval.bench import DEFAULT_DRAFT
 from eval.prompts import load_benchmark
 from maverick.cli import run_cli
 from maverick.compiled import CompiledTarget
 from maverick.generate import Decoder
 from maverick.target import TARGET_HELP, default_target_path, load_target, load_target_tokenizer
 from maverick.tokenizer import encode_chat
-
-DEFAULT_DRAFT = Path(__file__).resolve().parent.parent / "eagle3" / "drafts" / "smollm2-135m-instruct"
 
 
 def step_seconds(fn, reps: int) -> float:
