@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=3, help="prompts (first turns)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-len", type=int, default=1024, help="the compiled engine's cache length")
-    ap.add_argument("--rows", default="4,8,12,24", help="verify buckets (the decode bucket is added)")
+    ap.add_argument("--rows", default="2,4,8,12,24", help="verify buckets (the decode bucket is added)")
     ap.add_argument("--autotune", action="store_true", help="inductor max_autotune (long compiles)")
     ap.add_argument("--reps", type=int, default=20, help="calls per step timing")
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT))

@@ -65,9 +65,11 @@ from maverick.model import Llama4, Output, _rms, apply_rope, bmm_min_rows, rope_
 from maverick.q4 import GROUP, Q4Weight, group_pack, live_pack
 
 CACHE_DIR = Path(__file__).resolve().parent.parent / ".cache" / "inductor"
-# verify buckets; the decode bucket (1 or 2) is added in front. 12 holds tuned k <= 8 and prompt-lookup copies
-# of 10 tokens (+ 1), 24 a lookup streak of 20; every bucket is a graph to compile (~50-70 s on 2 cores)
-DEFAULT_ROWS = (4, 8, 12, 24)
+# verify buckets; the decode bucket (1 or 2) is added in front. 2 holds a one-token draft (the tuned draft's most
+# common cycle: 155 of 254 in a bench run; the 4-bit engine's verify costs ~0.28 ms a padded row), 12 tuned
+# k <= 8 and prompt-lookup copies of 10 tokens (+ 1), 24 a lookup streak of 20; every bucket is a graph
+# to compile (~50-70 s on 2 cores)
+DEFAULT_ROWS = (2, 4, 8, 12, 24)
 SPAN = 64  # a call attends to the slots in use rounded up to a multiple of this (a dynamic dimension)
 SLOTS_ROUND = 1024  # an engine's cache holds a multiple of this many slots
 
