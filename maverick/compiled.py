@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from maverick.kv_cache import KVCache
-from maverick.linear import packed_matmul, packed_weight, packed_weights
+from maverick.linear import packed_matmul, packed_weight
 from maverick.model import Llama4, Output, _rms, apply_rope, bmm_min_rows, rope_tables
 from maverick.q4 import GROUP, Q4Weight, group_pack, live_pack
 
@@ -140,7 +140,7 @@ class _Step(nn.Module):
     features [B, T, n H] (the states entering `feature_layers`, concatenated; [B, T, 0] for none),
     hidden [B, T, H] (after the final norm)."""
 
-    def __init__(self, model: Llama4, feature_layers: tuple[int, ...], prepack: bool = False):
+    def __init__(self, model: Llama4, feature_layers: tuple[int, ...]):
         super().__init__()
         self.model = model
         self.feature_layers = feature_layers
@@ -150,20 +150,13 @@ class _Step(nn.Module):
             for j, pack in enumerate(packs):
                 self.register_buffer(f"q4w_{name}_{j}", pack.packed, persistent=False)
                 self.register_buffer(f"q4sz_{name}_{j}", pack.scale_zero, persistent=False)
-        self.prepack = prepack
-        if prepack:  # the dense weights packed for oneDNN here, as freezing would, kept as buffers
+        if self.q4 is not None:  # unfrozen: the head packed for oneDNN here, as freezing would, a buffer
             self.register_buffer("pk_head", packed_weight(model.lm_head.weight), persistent=False)
-            if self.q4 is None:
-                for name, layers in _groups(model):
-                    w = packed_weights([m.weight for m in layers])
-                    self.register_buffer(f"pk_{name}", w, persistent=False)
 
     def forward(self, tokens: Tensor, start: Tensor, k_cache: Tensor, v_cache: Tensor, span: Tensor):
         m, cfg = self.model, self.model.config
         B, T = tokens.shape
-        S = (
-            span.shape[0] * SPAN
-        )  # the slots attended to: SPAN-slot blocks, dynamic (one graph for every length)
+        S = span.shape[0] * SPAN  # the slots attended to: SPAN-slot blocks, dynamic (one graph for all)
         dev = tokens.device
         pos = start[:, None] + torch.arange(T, device=dev)  # [B, T]
         cos, sin = rope_tables(pos, m.inv_freq)
@@ -206,7 +199,7 @@ class _Step(nn.Module):
         if cfg.num_hidden_layers in self.feature_layers:
             feats[cfg.num_hidden_layers] = x
         h = m.model.norm(x)
-        logits = packed_matmul(h, self.pk_head) if self.prepack else F.linear(h, m.lm_head.weight)
+        logits = packed_matmul(h, self.pk_head) if self.q4 is not None else F.linear(h, m.lm_head.weight)
         features = torch.cat([feats[i] for i in self.feature_layers], -1) if feats else x[..., :0]
         return logits, features, h
 
@@ -214,8 +207,6 @@ class _Step(nn.Module):
         """x times the layers' weights side by side: their 4-bit pack where the model has them (torch's int4
         kernel, maverick/q4.py), else the dense weights concatenated (freezing folds the concatenation)."""
         if self.q4 is None:
-            if self.prepack:
-                return packed_matmul(x, getattr(self, f"pk_{name}"))
             return F.linear(x, torch.cat([m.weight for m in layers]) if len(layers) > 1 else layers[0].weight)
         x2 = x.reshape(-1, x.shape[-1])
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu
@@ -320,9 +311,9 @@ class CompiledTarget:
         # rounded up to SLOTS_ROUND: the cache's shape is part of every graph, so engines of nearby max_len
         # (a CLI call per prompt) share the graphs cached on disk
         self.slots = -(-(max_len + self.rows[-1]) // SLOTS_ROUND) * SLOTS_ROUND
-        freeze = not q4 or model.device.type == "cuda"  # see the module docstring: cached or fast
-        self.step = _Step(model, self.feature_layers, prepack=not freeze).eval()
-        options = {"freezing": freeze, "emulate_precision_casts": True}
+        self.step = _Step(model, self.feature_layers).eval()
+        # a dense model frozen, a 4-bit one (CPU only) not: see the module docstring, cached or fast
+        options = {"freezing": not q4, "emulate_precision_casts": True}
         if model.device.type == "cuda":
             options["triton.cudagraphs"] = True  # mode="reduce-overhead"
         else:

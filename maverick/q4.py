@@ -62,14 +62,18 @@ class Q4Weight:
         return w.view(self.shape)
 
     @staticmethod
-    def cat(packs: Sequence[Q4Weight]) -> Q4Weight:
-        """The packs stacked on the output dim: right where every pack but the last fills whole blocks of
-        the kernel's row packing (group_pack checks)."""
+    def cat(packs: Sequence[Q4Weight]) -> Q4Weight | None:
+        """The packs stacked on the output dim, or None where they do not stack. The kernel packs rows in
+        blocks (64 on AVX-512, measured: a pack of 32 rows followed by another gave other numbers), so the
+        stack is probed on one random row against the packs one by one, bit for bit."""
         out = Q4Weight.__new__(Q4Weight)
         out.shape = (sum(p.shape[0] for p in packs), packs[0].shape[1])
         out.packed = torch.cat([p.packed for p in packs])
         out.scale_zero = torch.cat([p.scale_zero for p in packs], 1)
         out.key, out.groups = None, {}
+        x = torch.randn(1, out.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        if not torch.equal(q4_matmul(x, out), torch.cat([q4_matmul(x, p) for p in packs], -1)):
+            return None
         return out
 
 
@@ -107,7 +111,7 @@ def use_q4(x: Tensor, layers: Sequence[nn.Module]) -> bool:
 def group_pack(layers: Sequence[nn.Module], attr: str = "q4"):
     """One pack for several layers' outputs side by side (q/k/v, gate/up), made on first use and kept on the
     first layer's pack; None when a layer has no live pack (`attr` as in live_pack) or the 4-bit packs do
-    not stack (`_stacks`)."""
+    not stack (`Q4Weight.cat`)."""
     packs = [live_pack(m, attr) for m in layers]
     if any(p is None for p in packs):
         return None
@@ -116,20 +120,9 @@ def group_pack(layers: Sequence[nn.Module], attr: str = "q4"):
     slot = tuple(id(p) for p in packs)
     hit = packs[0].groups.get(slot)
     if hit is None or any(a is not b for a, b in zip(hit[0], packs)):
-        cat = type(packs[0]).cat(packs)
-        if isinstance(cat, Q4Weight) and not _stacks(packs, cat):
-            cat = None
-        hit = (tuple(packs), cat)
+        hit = (tuple(packs), type(packs[0]).cat(packs))
         packs[0].groups[slot] = hit
     return hit[1]
-
-
-def _stacks(packs: Sequence[Q4Weight], cat: Q4Weight) -> bool:
-    """Whether the concatenated pack computes each pack's outputs. The kernel packs rows in blocks (64 on
-    AVX-512, measured: a pack of 32 rows followed by another gave other numbers), so packs whose row
-    counts are not multiples of the block do not stack; probed on one random row, bit for bit."""
-    x = torch.randn(1, cat.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    return torch.equal(q4_matmul(x, cat), torch.cat([q4_matmul(x, p) for p in packs], -1))
 
 
 @torch.no_grad()
