@@ -102,7 +102,7 @@ def test_answer_file_appends_streams_and_drops_a_cut_off_write(tmp_path):
     blob = lzma.compress(b'{"id": "a4"}\n', format=lzma.FORMAT_XZ)
     path.write_bytes(good + blob[: len(blob) // 2])  # a write killed half-way
     assert answers.read_records(path) == recs[:4]
-    assert answers.repair(path) == len(blob) // 2 and path.read_bytes() == good
+    assert answers.repair(path) == (recs[:4], len(blob) // 2) and path.read_bytes() == good
     answers.append(path, recs[4:])
     assert answers.read_records(path) == recs
     assert answers.sample(recs[0]) == {"input_ids": [1, 2, 3, 0], "loss_mask": [0, 0, 1, 1]}

@@ -55,22 +55,26 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
         texts = [data[: data.rfind(b"\n") + 1]]
     else:
         texts, _ = _streams(data)
-    return [json.loads(line) for t in texts for line in t.decode().splitlines() if line.strip()]
+    return _parse(texts)
 
 
-def repair(path: str | os.PathLike) -> int:
-    """Cut a cut-off last stream off `path` (temporary file, rename); returns the bytes dropped."""
+def repair(path: str | os.PathLike) -> tuple[list[dict[str, Any]], int]:
+    """Cut a cut-off last stream off `path` (temporary file, rename); returns the records of its complete
+    streams (what `read_records` gives, from the same decompression) and the bytes dropped."""
     path = Path(path)
     if not path.exists():
-        return 0
+        return [], 0
     data = path.read_bytes()
-    _, end = _streams(data)
-    if end == len(data):
-        return 0
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data[:end])
-    os.replace(tmp, path)
-    return len(data) - end
+    texts, end = _streams(data)
+    if end < len(data):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(data[:end])
+        os.replace(tmp, path)
+    return _parse(texts), len(data) - end
+
+
+def _parse(texts: list[bytes]) -> list[dict[str, Any]]:
+    return [json.loads(line) for t in texts for line in t.decode().splitlines() if line.strip()]
 
 
 def append(path: str | os.PathLike, records: Iterable[Mapping[str, Any]], preset: int = 6) -> int:

@@ -122,6 +122,7 @@ class Stage:
         self.init = Path(args.init_draft) if args.init_draft else None
         self.data = load_data(args.data)
         self.earlier = earlier_answers(self.init, self.data)
+        self.here: list[dict] | None = None  # the records of --out's answers file, once regeneration has them
         t = time.perf_counter()
         target = Path(args.target) if args.target else default_target_path()
         self.model: Llama4 = load_target(target, self.dtype, str(self.device)).eval()
@@ -139,8 +140,7 @@ class Stage:
     # ---- 1. regeneration ----
     def regenerate(self) -> None:
         a, path = self.args, self.out / ANSWERS
-        dropped = answer_file.repair(path)
-        here = answer_file.read_records(path)  # written by an interrupted earlier run of this stage
+        here, dropped = answer_file.repair(path)  # written by an interrupted earlier run of this stage
         done = {r["id"] for r in here} | {r["id"] for r in self.earlier if "more" not in r}
         todo = [r for r in self.data if r.get("split") != "heldout" and r["id"] not in done
                 and ("answers" not in r or r.get("more"))]  # fmt: skip
@@ -152,8 +152,8 @@ class Stage:
         deadline = self.t0 + a.regen_share * self.budget
         cap = a.max_answers_mib * 2**20
         pending: list[dict] = []
+        new: list[dict] = []  # what this run wrote
         last_flush = [time.perf_counter()]
-        written = [0]
 
         # compressing a flush takes ~1 s of CPU: a writer thread does it (lzma releases the GIL) while the
         # decoding goes on; one worker keeps the streams in order
@@ -162,7 +162,7 @@ class Stage:
 
         def flush() -> None:
             writes.append(writer.submit(answer_file.append, path, list(pending)))
-            written[0] += len(pending)
+            new.extend(pending)
             pending.clear()
             last_flush[0] = time.perf_counter()
 
@@ -193,12 +193,13 @@ class Stage:
         writer.shutdown(wait=True)
         for w in writes:
             w.result()  # a failed write is an error, not a silent loss
+        self.here = here + new  # the file's records now: the training need not decompress it again
         graphs, graph_error, capture = gen.graphs, gen.graph_error, gen.capture_seconds
         del gen  # its cache and graphs: the training's memory
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.state["phases"]["regen"] = {
-            "conversations": written[0],
+            "conversations": len(new),
             "conversations_earlier_runs": len(here),
             "turns": stats.turns,
             "new_tokens": stats.new_tokens,
@@ -207,7 +208,7 @@ class Stage:
             "seconds": round(stats.seconds, 1),
             "new_tokens_per_s": round(stats.tokens_per_s, 1),
             "skipped_too_long": stats.skipped,
-            "left": len(todo) - written[0] - stats.skipped,
+            "left": len(todo) - len(new) - stats.skipped,
             "batch_size": a.batch_size,
             "cuda_graphs": graphs,
             "cuda_graph_error": graph_error,
@@ -218,9 +219,9 @@ class Stage:
 
     # ---- 2. training ----
     def samples(self) -> list[dict]:
-        recs = {r["id"]: r for r in self.earlier} | {
-            r["id"]: r for r in answer_file.read_records(self.out / ANSWERS)
-        }
+        # read here only when this run did not regenerate (done in an earlier run, or failed)
+        here = self.here if self.here is not None else answer_file.read_records(self.out / ANSWERS)
+        recs = {r["id"]: r for r in self.earlier} | {r["id"]: r for r in here}
         return [answer_file.sample(r) for r in recs.values()]
 
     def build_draft(self, samples: list[dict]) -> Eagle3Draft:
