@@ -15,6 +15,8 @@ the whole preallocated cache every step); `truncate` resets it from the new leng
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor, nn
 
@@ -132,11 +134,10 @@ class KVCache(nn.Module):
         """A cache over this one's first n_slots slots, sharing its storage and its `lengths` tensor, in the
         fixed-shape mode: a batched decode step whose rows all hold fewer than n_slots tokens attends over
         n_slots keys instead of max_len (train/fastgen.py captures one such step per slot bucket)."""
-        view = KVCache.__new__(KVCache)
-        nn.Module.__init__(view)
-        view.k, view.v, view.lengths = self.k[..., :n_slots, :], self.v[..., :n_slots, :], self.lengths
+        view = copy.copy(self)  # every attribute, so one added to KVCache is not missing from the view
+        view._buffers = dict(self._buffers)  # its own buffer table (same tensors): the slices go there only
+        view.k, view.v = self.k[..., :n_slots, :], self.v[..., :n_slots, :]
         view.max_len, view.bound, view.slice_to_bound, view.window = n_slots, 0, False, None
-        view.exact = self.exact
         return view
 
     def compact(self, start: Tensor, keep_idx: Tensor, n_keep: Tensor) -> None:

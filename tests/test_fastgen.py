@@ -8,6 +8,7 @@ import torch
 
 from maverick.config import get_config
 from maverick.generate import Decoder
+from maverick.kv_cache import KVCache
 from maverick.model import Llama4
 from train import answers
 from train.fastgen import Conversation, FastGenerator
@@ -90,6 +91,19 @@ def test_deadline_drops_running_conversations():
     seen = []
     s = gen.run(conversations(6), seen.append, deadline=0.0)
     assert seen == [] and s.conversations == 0
+
+
+def test_prefix_view_shares_the_cache_and_keeps_every_attribute():
+    cache = KVCache(2, 3, 16, 2, 4)
+    cache.exact, cache.note = False, "an attribute KVCache.__init__ does not know"
+    view = cache.prefix_view(8)
+    assert view.k.shape[3] == 8 and cache.k.shape[3] == 16 and (view.max_len, cache.max_len) == (8, 16)
+    assert view.lengths is cache.lengths and view.k.data_ptr() == cache.k.data_ptr()
+    assert not view.exact and view.note == cache.note and not view.slice_to_bound and cache.slice_to_bound
+    new = torch.ones(3, 2, 1, 4)
+    view.write(0, new, new, view.kv_len(1))
+    view.advance(1)
+    assert cache.k[0, :, :, 0].eq(1).all() and cache.lengths.tolist() == [1, 1, 1]
 
 
 def test_answer_file_appends_streams_and_drops_a_cut_off_write(tmp_path):
