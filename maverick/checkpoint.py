@@ -44,13 +44,23 @@ class CheckpointError(UserError):
     pass
 
 
+def _read_json(f: Path) -> dict:
+    """The JSON of a checkpoint's config.json or index; errors name the file."""
+    try:
+        return json.loads(f.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no {f.name} at {f}") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{f}: not valid JSON ({e})") from None
+
+
 def _safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+            weight_map = _read_json(index)["weight_map"]
+        except KeyError:
+            raise CheckpointError(f"{index}: not a valid safetensors index (no 'weight_map')") from None
         files = sorted({path / f for f in weight_map.values()})
     elif (path / "model.safetensors").exists():
         files = [path / "model.safetensors"]
@@ -208,17 +218,6 @@ def _use_fp8_experts_where_stored(
             module.experts = Float8Experts(meta, dtype=dtype)
 
 
-def read_hf_config(path: str | os.PathLike) -> dict:
-    """The config.json dict of a checkpoint directory; errors name the file."""
-    f = Path(path) / "config.json"
-    try:
-        return json.loads(f.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"no config.json at {f}") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{f}: not valid JSON ({e})") from None
-
-
 def _check_llama4(d: dict, source: str) -> None:
     archs = d.get("architectures") or []
     model_type = d.get("model_type")
@@ -231,8 +230,8 @@ def _check_llama4(d: dict, source: str) -> None:
 
 def hf_model_config(path: str | os.PathLike) -> tuple[Llama4Config, bool]:
     """(our config, whether the directory holds the LlamaForCausalLM layout) from its config.json."""
-    d = read_hf_config(path)
-    source = str(Path(path) / "config.json")
+    f = Path(path) / "config.json"
+    d, source = _read_json(f), str(f)
     if hf_llama.is_llama(d):
         return hf_llama.config_from_hf(d, source), True
     _check_llama4(d, source)
