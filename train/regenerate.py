@@ -122,7 +122,6 @@ def regenerate(
                     continue
                 msgs[j].append({"role": "assistant", "content": text})
                 answered.append(j)
-            empty += len(live) - len(answered)
             # a turn cut at max_new_tokens ends the conversation there
             ends = {j for j, ids in zip(live, gen.tokens) if ids and ids[-1] in eos}
             live = [j for j in answered if j in ends]
@@ -135,6 +134,7 @@ def regenerate(
         if skipped:
             with skipped_path(out).open("a") as f:
                 f.writelines(json.dumps(s) + "\n" for s in skipped)
+        empty += len(skipped)
         n_done += len(batch)
         bar.update(len(batch))
         bar.set_postfix(tok_s=f"{n_tokens / (time.perf_counter() - t0):.0f}")
