@@ -139,9 +139,8 @@ class Attention(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv)
         elif ctx.full_bias is not None:  # a short call on the exact path (Llama4.forward)
             o = exact_attention(q, k, v, ctx.chunk_bias if self.chunked else ctx.full_bias)
-        elif T == 1 and q.is_cuda and ctx.cache is not None:  # batched GPU decoding (train/fastgen.py)
-            # row b sees slots 0..lengths[b] (its prefix and the token just written) unless chunked
-            n_valid = None if self.chunked else ctx.cache.lengths + 1
+        elif ctx.n_valid is not None:  # batched GPU decoding (train/fastgen.py)
+            n_valid = None if self.chunked else ctx.n_valid  # a chunked layer's window: the mask
             o = decode_attention(q, k.to(q.dtype), v.to(q.dtype), mask, n_valid)
         else:  # a cache may hold bf16 values in fp32 (exact decoding): the cast back is lossless
             k, v = k.to(q.dtype), v.to(q.dtype)
@@ -454,6 +453,9 @@ class _Ctx:
     write_index: tuple[Tensor, Tensor] | None  # cache.write_index(T)
     flat: bool = False  # every layer runs DecoderLayer.forward_flat
     causal: bool = False  # no cache, no tree, default positions: the mask is the plain causal one
+    # [B] batched GPU decoding (one token a row on the fused path, T == 1): row b sees slots 0..lengths[b],
+    # its prefix and the token just written; None on every other call
+    n_valid: Tensor | None = None
 
 
 @dataclass
@@ -555,6 +557,8 @@ class Llama4(nn.Module):
 
         ctx.causal = causal
         x = self.model.embed_tokens(tokens) if inputs_embeds is None else inputs_embeds
+        if cache is not None and T == 1 and not exact and x.is_cuda:
+            ctx.n_valid = cache.lengths + 1
         ctx.flat = (
             cache is not None and exact
             and not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling()
