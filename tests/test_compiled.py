@@ -67,6 +67,29 @@ def test_compiled_greedy_tokens_equal_eager(engine):
         )
 
 
+def test_engines_of_one_shape_run_their_own_graphs(engine):
+    """Each engine compiles its own copy of the step's code and drops dynamo's guards on its module tree: a
+    second engine of the same shape (other weights) in the same process must still run its own graphs, not
+    the first one's (which would pass every guard left). Its greedy tokens equal its own eager model's, and
+    its logits are near its own model's, far from the first engine's."""
+    other = CompiledTarget(make_target(seed=7), MAX_LEN, FEATURES, rows=ROWS)
+    x = torch.tensor([PROMPTS[1]])
+    outs = []
+    for e in (engine, other):
+        cache = e.new_cache(1)
+        e(x[:, :-4], cache)
+        got = e(x[:, -4:], cache).logits.float()
+        want = e.base(x).logits[:, -4:].float()
+        assert (got - want).abs().max() <= 0.02 * want.abs().max(), "compiled logits far from its own model's"
+        outs.append(got)
+    assert (outs[0] - outs[1]).abs().max() > 0.2 * outs[0].abs().max()
+    p = PROMPTS[0]
+    assert (
+        Decoder(other, max_len=MAX_LEN).generate([p], 16).tokens
+        == Decoder(other.base, max_len=MAX_LEN).generate([p], 16).tokens
+    )
+
+
 def test_rows_keep_their_bits_in_every_bucket(engine):
     """Verify a chain of T tokens in each bucket and decode the same tokens one by one: every row's logits
     and features are bit-identical (what makes speculative decoding lossless on this engine)."""
