@@ -32,6 +32,9 @@ class LookupConfig:
     # tends to go on: in MT-bench run v12, 47 of the 70 copies that followed a fully accepted one were
     # accepted in full too); default (None): max_tokens, i.e. off
     streak_tokens: int | None = None
+    # with a policy that tunes draft lengths (DraftLengthTuner.choose_copy), copies draft as many of up to
+    # max_tokens / streak_tokens as the verify's cost pays for; False: always the cap
+    tune: bool = True
 
     def __post_init__(self):
         if not 1 <= self.min_ngram <= self.max_ngram:

@@ -243,14 +243,16 @@ class SpecDecoder:
         index = None
         if self.lookup is not None:
             index = [NgramIndex(self.lookup, list(p) + o) for p, o in zip(prompts, outs)]
-            copy_len = [self.lookup.max_tokens] * B
+            streak = [False] * B  # the row's last copy was accepted in full
         stop = set(stop_ids)
         done = [o[-1] in stop for o in outs]
         while not all(done) and min(len(o) for o in outs) < max_new_tokens:
             # per row: the copied tokens, None (no match: the EAGLE-3 draft drafts) or [] (finished)
             proposals = None
             if index is not None:
-                proposals = [[] if done[b] else (index[b].propose(copy_len[b]) or None) for b in range(B)]
+                proposals = [
+                    [] if done[b] else (index[b].propose(self._copy_len(streak[b])) or None) for b in range(B)
+                ]
                 if self.datastore is not None:
                     stored = [b for b in range(B) if proposals[b] is None]
                     for b in stored:
@@ -264,8 +266,9 @@ class SpecDecoder:
                 for b, (ix, e) in enumerate(zip(index, emitted)):
                     ix.extend(e)
                     copied = proposals[b]  # a list wherever there is an index
-                    full = bool(copied) and len(e) > len(copied)  # every copied token kept, + the next
-                    copy_len[b] = self.lookup.streak_tokens if full else self.lookup.max_tokens
+                    if copied and self._tunes_copies():
+                        self.policy.record_copy(len(copied), len(e) - 1, streak[b])
+                    streak[b] = bool(copied) and len(e) > len(copied)  # every copied token kept, + the next
             for b in range(B):
                 if done[b]:
                     continue
@@ -281,6 +284,21 @@ class SpecDecoder:
         gen = Generation(outs, [len(p) for p in prompts], time.perf_counter() - t0, ttft)
         gen.stats = {"spec": stats}
         return gen
+
+    def _tunes_copies(self) -> bool:
+        return self.lookup.tune and hasattr(self.policy, "choose_copy")
+
+    def _copy_len(self, streak: bool) -> int:
+        """Tokens the next prompt-lookup copy drafts: up to streak_tokens after a copy accepted in full, else
+        max_tokens; with a policy that tunes them (DraftLengthTuner), the length the verify cost pays for, of
+        1 .. that cap; on a compiled engine only lengths that fill a bucket (+ the cap), since a verify costs
+        its bucket's rows."""
+        cap = self.lookup.streak_tokens if streak else self.lookup.max_tokens
+        if not self._tunes_copies():
+            return cap
+        rows = getattr(self.target, "rows", None)
+        lengths = range(1, cap + 1) if rows is None else [r - 1 for r in rows if 1 <= r - 1 < cap] + [cap]
+        return self.policy.choose_copy(lengths, streak)
 
     def _max_draft(self) -> int:
         if self.tree is not None:

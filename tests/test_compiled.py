@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from eagle3.draft import DraftConfig, Eagle3Draft
+from eagle3.lookup import LookupConfig
 from eagle3.spec import SpecDecoder, TreeConfig
 from eagle3.tuner import DraftLengthTuner, FixedK
 from maverick.compiled import SPAN, CompiledTarget, _q4_packs, compiled_target
@@ -194,6 +195,30 @@ def test_speculative_equals_plain_on_compiled_engine(engine, policy):
         got = spec.generate([p], 32)
         assert got.tokens[0] == want
         assert got.stats["spec"].cycles < 32  # it did verify several tokens per call at times
+
+
+def test_tuned_copies_fill_the_engines_buckets(engine):
+    """With the draft-length tuner, a prompt-lookup copy drafts a length whose verify fills one of the
+    engine's buckets (or the cap itself): a verify costs its bucket's rows whatever it fills. The tokens stay
+    plain decoding's."""
+    cap = engine.rows[-1] - 1
+    spec = SpecDecoder(
+        engine,
+        make_draft(engine.base),
+        max_len=MAX_LEN,
+        policy=DraftLengthTuner(choices=range(1, 4)),
+        lookup=LookupConfig(max_tokens=cap),
+    )
+    plain = Decoder(engine, max_len=MAX_LEN)
+    lengths = set()
+    for p in ([5, 6, 7, 8] * 5, [9, 10, 11] * 6 + [12]):
+        want = plain.generate([p], 32).tokens[0]
+        got = spec.generate([p], 32)
+        assert got.tokens[0] == want
+        st = got.stats["spec"]
+        lengths |= {k for k, n in zip(st.draft_lengths, st.lookup_rows) if n}
+    assert lengths, "no copy was drafted"
+    assert all(L + 1 in engine.rows or L == cap for L in lengths), (lengths, engine.rows)
 
 
 def test_engine_option_and_refusals(engine):

@@ -93,7 +93,10 @@ def test_lookup_greedy_identical_to_plain(target, policy):
         copied_accepted += sum(a for a, n in zip(st.accepted, st.lookup_rows) if n)
         copied_lengths |= {k for k, n in zip(st.draft_lengths, st.lookup_rows) if n}
     assert copied_accepted > 0  # copied tokens were accepted
-    assert copied_lengths == {LookupConfig().max_tokens}  # a copy always fills max_tokens (it wraps around)
+    if isinstance(policy(), FixedK):  # a copy fills max_tokens (it wraps around)
+        assert copied_lengths == {LookupConfig().max_tokens}
+    else:  # the tuner chooses how many of them the verify's cost pays for
+        assert copied_lengths <= set(range(1, LookupConfig().max_tokens + 1))
     # batched: rows mix copied drafts of different lengths with the EAGLE-3 draft in one verify pass
     dec = SpecDecoder(target, make_draft(target), max_len=160, policy=policy(), lookup=LookupConfig())
     got = dec.generate(ps, 40)

@@ -381,3 +381,54 @@ def test_tuner_recovers_from_a_burst_of_contention():
     assert mean[7] >= 0.98 and min(ratios[7]) >= 0.96, ratios[7]
     assert mean[0] < 0.95  # the scenario does catch the EMA-only estimate
     assert sum(quiet) / len(quiet) >= 0.985, quiet
+
+
+def _copy_rate(L: int, first: float, then: float, cost) -> float:
+    """Expected tokens per second of a copy of L tokens: the first accepted with probability `first`, each
+    next one (given the one before) with `then`; the verify of L + 1 rows costs cost(L + 1)."""
+    return (1 + first * (1 - then**L) / (1 - then)) / cost(L + 1)
+
+
+def _bucketed(n: int) -> float:
+    """A compiled 4-bit engine's verify cost shape: the rows of the bucket n pads to, ~0.9 s a row."""
+    bucket = next(b for b in (2, 4, 8, 12, 24) if b >= n)
+    return 6.0 + 0.9 * (bucket - 1)
+
+
+@pytest.mark.parametrize("cost", [_bucketed, lambda n: 1.0], ids=["bucketed", "flat"])
+def test_copy_length_converges_to_the_analytic_optimum(cost):
+    """Copies that are mostly all or nothing (first token accepted 45% of the time, each next one 80%):
+    with a verify cost that grows with its rows a short copy pays, with a flat one the longest."""
+    lengths, first, then = [1, 3, 7, 10], 0.45, 0.8
+    want = max(lengths, key=lambda L: _copy_rate(L, first, then, cost))
+    tuner = DraftLengthTuner(choices=range(1, 5))
+    rng = random.Random(0)
+    chosen = []
+    for _ in range(600):
+        L = tuner.choose_copy(lengths)
+        n = 0
+        while n < L and rng.random() < (first if n == 0 else then):
+            n += 1
+        tuner.record_verify(L + 1, cost(L + 1))
+        tuner.record_copy(L, n)
+        chosen.append(L)
+    assert want == (3 if cost is _bucketed else 10)
+    top = collections.Counter(chosen[300:]).most_common(1)[0]
+    assert top[0] == want and top[1] >= 0.7 * 300, collections.Counter(chosen[300:])
+
+
+def test_copies_after_a_full_accept_are_learnt_apart():
+    """A streak copy (after one accepted in full) has its own acceptance: here always accepted, while other
+    copies never are; the streak keeps the longest length, the others fall to the shortest."""
+    tuner = DraftLengthTuner()
+    lengths = [1, 3, 7, 11]
+    for _ in range(200):
+        for streak in (False, True):
+            L = tuner.choose_copy(lengths, streak)
+            tuner.record_verify(L + 1, _bucketed(L + 1))
+            tuner.record_copy(L, L if streak else 0, streak)
+    assert tuner.copy_accept[True].alphas[0] > 0.95 and tuner.copy_accept[False].alphas[0] < 0.05
+    assert tuner.choose_copy(lengths, True) == 11
+    assert tuner.choose_copy(lengths, False) == 1
+    with pytest.raises(ValueError, match="record_copy"):
+        tuner.record_copy(3, 4)
