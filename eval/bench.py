@@ -217,7 +217,8 @@ def build_decoder(name: str, target, draft, max_len: int, args) -> Decoder | Spe
     copy_tokens = getattr(args, "lookup_tokens", 10)
     # a streak below the base length is off
     streak = max(copy_tokens, getattr(args, "lookup_streak_tokens", 20))
-    lookup = LookupConfig(max_tokens=copy_tokens, streak_tokens=streak) if lookup_on else None
+    tune = not getattr(args, "lookup_fixed", False)
+    lookup = LookupConfig(max_tokens=copy_tokens, streak_tokens=streak, tune=tune) if lookup_on else None
     fixed_k = name.removeprefix("eagle3-k")
     if draft is None:
         raise UserError(f"method {name} needs a draft (--draft)")
@@ -389,6 +390,9 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--lookup-streak-tokens", type=int, default=20,
                     help="... after a copy accepted in full (LookupConfig.streak_tokens; 10 = off)")  # fmt: skip
+    ap.add_argument("--lookup-fixed", action="store_true",
+                    help="copies always draft the cap (--lookup-tokens / --lookup-streak-tokens), not the length "
+                         "the tuned methods' verify cost pays for (LookupConfig.tune)")  # fmt: skip
     ap.add_argument("--compile-draft", action="store_true")
     ap.add_argument("--fp8", choices=["none", "target", "draft", "both"], default="none",
                     help="FP8 weight-only layers (emulated on CPU) for the target and/or the draft of every "
