@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from eagle3.compiled_draft import CompiledDraft
 from eagle3.datastore import Datastore
 from eagle3.draft import Eagle3Draft, check_feature_layers
 from eagle3.lookup import LookupConfig, NgramIndex
@@ -100,8 +101,10 @@ class SpecDecoder:
 
     policy: an object with choose_k / record_draft / record_verify / record_acceptance (eagle3/tuner.py:
     FixedK, HeuristicK, DraftLengthTuner). tree: a TreeConfig to draft trees instead of chains (batch 1).
-    compile_draft: torch.compile the one-token draft step (fixed shapes: it attends over the whole
-    preallocated draft cache, so changing k never recompiles). lookup: a LookupConfig to draft by prompt
+    compile_draft: on CPU with chains, the draft's cache calls (one-token steps and catch-ups) as one
+    compiled graph (eagle3/compiled_draft.py); on CUDA or with trees, the one-token draft step
+    torch.compiled (CUDA graphs on CUDA; fixed shapes: it attends over the whole preallocated draft
+    cache, so changing k never recompiles). lookup: a LookupConfig to draft by prompt
     lookup where the sequence repeats itself, the EAGLE-3 draft (chain or tree) elsewhere. datastore: a
     Datastore tried after the sequence itself (needs lookup). engine="compiled": the target's decode and
     verify steps on the compiled engine (maverick/compiled.py; `target` may already be one, shared with a
@@ -153,26 +156,29 @@ class SpecDecoder:
             raise ValueError(
                 f"drafts of up to {k_max} tokens: the compiled engine verifies up to {rows[-1] - 1}"
             )
+        cuda = next(draft.parameters()).is_cuda
+        # on CPU a chain draft's cache calls (steps and catch-ups) run as one compiled graph; elsewhere (CUDA,
+        # where a draft step is launch-bound: CUDA graphs; trees) the one-token step is torch.compiled
+        self._step_compiled = compile_draft and (cuda or tree is not None)
+        if compile_draft and not self._step_compiled:
+            self.draft = CompiledDraft(draft, max_len)
         self._caches(1)
         self._draft_step = self._draft_step_eager
-        if compile_draft:
-            self.dcache.slice_to_bound = False
-            cuda = next(draft.parameters()).is_cuda  # CUDA graphs there: a draft step is launch-bound
+        if self._step_compiled:
             mode = "reduce-overhead" if cuda else None
             self._draft_step = torch.compile(self._draft_step_eager, dynamic=False, mode=mode)
 
     def _caches(self, B: int) -> None:
         self.tcache = self.target.new_cache(B, self.max_len)
         self.dcache = self.draft.new_cache(B, self.max_len)
-        if self.compile_draft:
+        if self._step_compiled:
             self.dcache.slice_to_bound = False
 
     # ---- draft pieces ----
 
     def _draft_step_eager(self, tokens: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
         """One draft token per row: tokens [B], h [B, 1, H] -> (h' [B, 1, H], draft logits [B, V'])."""
-        pos = self.dcache.lengths[:, None].clone()  # a copy: the cache advances its lengths in place
-        h = self.draft(self.embed(tokens[:, None]), h, pos, cache=self.dcache)
+        h = self.draft(self.embed(tokens[:, None]), h, None, cache=self.dcache)  # at the cache's lengths
         return h, self.draft.logits(h)[:, 0]
 
     def _catch_up(self, features: Tensor, next_tokens: Tensor, keep: Tensor) -> Tensor:

@@ -494,11 +494,11 @@ class CompiledTarget:
         return dict(self.compile_seconds)
 
 
-def _own_forward(step: _Step):
+def _own_forward(step: nn.Module):
     """`step.forward` on a code object of its own. Dynamo keeps compiled graphs, and the guards that choose
     among them, per code object: with one per engine, a graph is only ever called with its own engine's
     `self`, so the guards on `self` can go (`_inputs_only`)."""
-    f = _Step.forward
+    f = type(step).forward
     own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
     return types.MethodType(own, step)
 

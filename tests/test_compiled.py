@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 
+from eagle3.compiled_draft import CompiledDraft
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.lookup import LookupConfig
 from eagle3.spec import SpecDecoder, TreeConfig
@@ -219,6 +220,54 @@ def test_tuned_copies_fill_the_engines_buckets(engine):
         lengths |= {k for k, n in zip(st.draft_lengths, st.lookup_rows) if n}
     assert lengths, "no copy was drafted"
     assert all(L + 1 in engine.rows or L == cap for L in lengths), (lengths, engine.rows)
+
+
+def test_compiled_draft_matches_the_eager_draft(engine):
+    """CompiledDraft's calls on its own cache (a one-token step given the cache's lengths as positions, a
+    catch-up of several tokens, one past max_rows: eager) give the eager draft's states within bf16 rounding,
+    and the cache advances by the real tokens only (the padded row of a one-token step is not committed)."""
+    draft = make_draft(engine.base)
+    comp = CompiledDraft(draft, MAX_LEN, max_rows=8)
+    H = draft.config.hidden_size
+    g = torch.Generator().manual_seed(11)
+    calls = [(T, torch.randn(1, T, H, generator=g).bfloat16(), torch.randn(1, T, H, generator=g).bfloat16())
+             for T in (20, 1, 3, 1, 9, 2)]  # fmt: skip
+    ce, cc = draft.new_cache(1, MAX_LEN), comp.new_cache(1, MAX_LEN)
+    for i, (T, emb, hid) in enumerate(calls):
+        pos = ce.lengths[:, None].clone() if T == 1 else None
+        want = draft(emb, hid, pos, cache=ce)
+        got = comp(emb, hid, pos, cache=cc)
+        assert got.shape == want.shape
+        assert (got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max(), (
+            f"call {i} (T={T})"
+        )
+        assert torch.equal(cc.lengths, ce.lengths)
+    n = int(ce.lengths[0])
+    assert (
+        cc.k[..., :n, :].float() - ce.k[..., :n, :].float()
+    ).abs().max() <= 0.02 * ce.k.float().abs().max()
+    assert comp.config is draft.config and comp.logits(got).shape[-1] == draft.config.draft_vocab_size
+
+
+def test_speculative_with_the_compiled_draft_equals_plain(engine):
+    """SpecDecoder(compile_draft=True) on CPU runs the draft's steps and catch-ups as CompiledDraft's graph;
+    greedy tokens stay plain decoding's, with prompt lookup too."""
+    plain = Decoder(engine, max_len=MAX_LEN)
+    for lookup in (None, LookupConfig(max_tokens=3)):
+        spec = SpecDecoder(
+            engine,
+            make_draft(engine.base),
+            max_len=MAX_LEN,
+            policy=DraftLengthTuner(choices=range(1, 4)),
+            lookup=lookup,
+            compile_draft=True,
+        )
+        assert isinstance(spec.draft, CompiledDraft) and getattr(spec.dcache, "compiled_draft", False)
+        for p in PROMPTS + [[5, 6, 7, 8] * 5]:
+            want = plain.generate([p], 32).tokens[0]
+            got = spec.generate([p], 32)
+            assert got.tokens[0] == want
+            assert got.stats["spec"].cycles < 32
 
 
 def test_engine_option_and_refusals(engine):
