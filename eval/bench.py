@@ -393,7 +393,11 @@ def main(argv=None) -> int:
     ap.add_argument("--lookup-fixed", action="store_true",
                     help="copies always draft the cap (--lookup-tokens / --lookup-streak-tokens), not the length "
                          "the tuned methods' verify cost pays for (LookupConfig.tune)")  # fmt: skip
-    ap.add_argument("--compile-draft", action="store_true")
+    ap.add_argument(
+        "--compile-draft",
+        action="store_true",
+        help="the draft's steps compiled (CPU: eagle3/compiled_draft.py)",
+    )
     ap.add_argument("--fp8", choices=["none", "target", "draft", "both"], default="none",
                     help="FP8 weight-only layers (emulated on CPU) for the target and/or the draft of every "
                          "method; to compare FP8 with bf16 in one run, add methods named <method>+fp8 "
