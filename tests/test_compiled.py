@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from eagle3.compiled_draft import CompiledDraft
 from eagle3.draft import DraftConfig, Eagle3Draft
@@ -73,8 +74,12 @@ def test_engines_of_one_shape_run_their_own_graphs(engine):
     """Each engine compiles its own copy of the step's code and drops dynamo's guards on its module tree: a
     second engine of the same shape (other weights) in the same process must still run its own graphs, not
     the first one's (which would pass every guard left). Its greedy tokens equal its own eager model's, and
-    its logits are near its own model's, far from the first engine's."""
+    its logits are near its own model's, far from the first engine's. Its frozen graphs come from inductor's
+    FX graph cache (`cache_frozen_graphs`), with its own weights."""
     other = CompiledTarget(make_target(seed=7), MAX_LEN, FEATURES, rows=ROWS)
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    other.compile()
+    assert counters["inductor"]["fxgraph_cache_hit"] - hits == len(other.rows)
     x = torch.tensor([PROMPTS[1]])
     outs = []
     for e in (engine, other):
