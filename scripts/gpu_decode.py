@@ -69,6 +69,13 @@ def main(argv=None) -> int:
     if args.prepare:
         prepare(args.n)
         return 0
+    missing = [f for f in (args.prompts, args.gguf) if not Path(f).is_file()]
+    if missing:
+        print(
+            f"error: {missing[0]} is missing: run python scripts/gpu_decode.py --prepare here first",
+            file=sys.stderr,
+        )
+        return 2
 
     from eagle3.draft import load_draft
     from maverick.compiled import CompiledTarget
