@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--lookup-streak-tokens", type=int, default=20, help="LookupConfig.streak_tokens (10 = off)"
     )
-    ap.add_argument("--compile-draft", action="store_true", help="compile the draft step too")
+    ap.add_argument("--compile-draft", action="store_true", help="compile the eager engine's draft too")
     ap.add_argument("--profile", action="store_true", help="profile 20 compiled decode steps (top ops)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
         copy, streak = min(10, k_max), min(args.lookup_streak_tokens, k_max)
         for name, model in (("eager", target), ("compiled", engine)):  # the same drafting on both engines
             decoders[f"{name}-eagle3-tuned+lookup"] = spec_decoder(
-                model, draft, args.max_len, k_max, copy, streak, args.compile_draft
+                model, draft, args.max_len, k_max, copy, streak, args.compile_draft or name == "compiled"
             )
     runs = {m: [] for m in decoders}
     for m, ids in alternating(list(decoders), prompts):

@@ -254,6 +254,27 @@ def test_compiled_draft_matches_the_eager_draft(engine):
     assert comp.config is draft.config and comp.logits(got).shape[-1] == draft.config.draft_vocab_size
 
 
+def test_compiled_draft_rows_of_other_lengths():
+    """Two rows whose caches hold different lengths (a batch after a verify that accepted more in one row):
+    each row's compiled draft state matches the eager draft's."""
+    draft = make_draft(make_target())
+    comp = CompiledDraft(draft, MAX_LEN)
+    H = draft.config.hidden_size
+    g = torch.Generator().manual_seed(12)
+    ce, cc = draft.new_cache(2, MAX_LEN), comp.new_cache(2, MAX_LEN)
+    emb, hid = torch.randn(2, 30, H, generator=g).bfloat16(), torch.randn(2, 30, H, generator=g).bfloat16()
+    draft(emb, hid, None, cache=ce)
+    comp(emb, hid, None, cache=cc)
+    keep = torch.tensor([30, 17])
+    ce.truncate(keep)
+    cc.truncate(keep)
+    for T in (1, 3):
+        emb, hid = torch.randn(2, T, H, generator=g).bfloat16(), torch.randn(2, T, H, generator=g).bfloat16()
+        want, got = draft(emb, hid, None, cache=ce), comp(emb, hid, None, cache=cc)
+        assert (got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max(), f"T={T}"
+        assert torch.equal(cc.lengths, ce.lengths)
+
+
 def test_speculative_with_the_compiled_draft_equals_plain(engine):
     """SpecDecoder(compile_draft=True) on CPU runs the draft's steps and catch-ups as CompiledDraft's graph;
     greedy tokens stay plain decoding's, with prompt lookup too."""
