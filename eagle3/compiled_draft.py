@@ -18,14 +18,19 @@ On CUDA `SpecDecoder(compile_draft=True)` keeps its CUDA-graph step instead (eag
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from eagle3.draft import Eagle3Draft
-from maverick.compiled import SPAN, _inputs_only, _own_forward, cache_frozen_graphs, use_repo_cache
+from maverick.compiled import (
+    SPAN,
+    _inputs_only,
+    _own_forward,
+    cache_frozen_graphs,
+    span_carrier,
+    use_repo_cache,
+)
 from maverick.kv_cache import KVCache
 
 MIN_ROWS = 2  # a dynamic row count of 1 would be specialised: one-token steps pad to 2 rows
@@ -87,7 +92,6 @@ class CompiledDraft:
             _own_forward(self.step), dynamic=False, fullgraph=True, options={"guard_filter_fn": _inputs_only}
         )
         self._spans: dict[int, Tensor] = {}
-        self.compile_seconds: float | None = None
 
     def __getattr__(self, name):  # logits, project, config, d2t, draft_to_target_ids, parameters, ...
         return getattr(self.base, name)
@@ -115,16 +119,15 @@ class CompiledDraft:
     ) -> Tensor:
         """`Eagle3Draft.forward`: compiled on a cache of this draft for up to `max_rows` new tokens continuing
         from the cache's lengths; eager otherwise."""
-        B, T, H = hidden.shape
+        T = hidden.shape[1]
         if not getattr(cache, "compiled_draft", False):
             return self.base(embeds, hidden, positions, cache, mask, tree_mask)
-        if positions is not None:  # the one-token step passes the cache's lengths: the compiled call's own
+        if positions is not None:  # the cache's lengths onwards are the compiled call's own positions
             ahead = cache.lengths[:, None] + torch.arange(T, device=positions.device)
             positions = None if torch.equal(positions, ahead) else positions
         if positions is not None or mask is not None or tree_mask is not None or T > self.max_rows:
-            return self._eager(
-                embeds, hidden, positions, cache, mask, tree_mask
-            )  # e.g. the prefill's catch-up
+            with cache.sliced_to_use():  # eager (e.g. the prefill's catch-up) on the slots in use
+                return self.base(embeds, hidden, positions, cache, mask, tree_mask)
         end = int(cache.lengths.max()) + T
         if end > cache.max_len:
             raise RuntimeError(f"draft KV cache overflow: {end} slots, the cache holds {cache.max_len}")
@@ -135,28 +138,9 @@ class CompiledDraft:
         embeds, hidden = embeds.to(hidden.dtype).contiguous(), hidden.contiguous()
         torch._dynamo.mark_dynamic(embeds, 1)  # no bounds: a cached graph serves any max_rows
         torch._dynamo.mark_dynamic(hidden, 1)
-        t0 = time.perf_counter() if self.compile_seconds is None else None
         with torch._inductor.config.patch(self.options), torch._dynamo.config.patch(recompile_limit=64):
-            h = self._fn(embeds, hidden, cache.lengths, cache.k, cache.v, self._span(end + R - T))
-        if t0 is not None:
-            self.compile_seconds = time.perf_counter() - t0
+            h = self._fn(
+                embeds, hidden, cache.lengths, cache.k, cache.v, span_carrier(self._spans, end + R - T, "cpu")
+            )
         cache.advance(T)
         return h[:, :T]
-
-    def _eager(self, embeds, hidden, positions, cache, mask, tree_mask) -> Tensor:
-        """The eager draft on this draft's cache: its bookkeeping slices to the slots in use."""
-        cache.slice_to_bound = True
-        cache.bound = int(cache.lengths.max())
-        try:
-            return self.base(embeds, hidden, positions, cache, mask, tree_mask)
-        finally:
-            cache.slice_to_bound = False
-
-    def _span(self, slots: int) -> Tensor:
-        """The shape carrier of a call's key span (slots in blocks of SPAN, at least 2 blocks), dynamic."""
-        blocks = max(2, -(-slots // SPAN))
-        span = self._spans.get(blocks)
-        if span is None:
-            span = self._spans[blocks] = torch.empty(blocks, 0)
-            torch._dynamo.mark_dynamic(span, 0)
-        return span

@@ -143,6 +143,13 @@ class LinearCost:
         return max(0.0, a + b * n)
 
 
+def _neighbour(values: list[int], x: int, up: bool) -> int:
+    """The value next to x in the sorted `values` (2+ of them): above it if `up` (or x is the first), else
+    below it (or above, if x is the last)."""
+    i = values.index(x)
+    return values[i + 1] if i + 1 < len(values) and (up or i == 0) else values[i - 1]
+
+
 class Acceptance:
     """The conditional acceptance alphas[j - 1] at draft position j, from counts discounted by (1 - ema) per
     cycle, each position's prior (worth `weight` observations) the estimate one position up, position 1's
@@ -401,12 +408,8 @@ class DraftLengthTuner(_Policy):
         return k + 1 in self.verify_cost.seconds and (k == 0 or k in self.draft_cost.seconds)
 
     def _neighbour(self, k: int) -> int:
-        i = self.choices.index(k)
-        up = i + 1 < len(self.choices)
-        down = i > 0
-        go_up = up and (self._probe_up or not down)
         self._probe_up = not self._probe_up
-        return self.choices[i + 1] if go_up else self.choices[i - 1]
+        return _neighbour(self.choices, k, up=not self._probe_up)
 
     def record_draft(self, k: int, seconds: float) -> None:
         super().record_draft(k, seconds)
@@ -442,10 +445,8 @@ class DraftLengthTuner(_Policy):
             lengths, key=lambda n: acc.expected_tokens(n) / max(self.verify_cost.predict(n + 1), 1e-12)
         )
         if self.copy_decisions % self.probe_every == 0 and len(lengths) > 1:
-            i = lengths.index(best)
-            up = i + 1 < len(lengths) and (self._copy_probe_up or i == 0)
             self._copy_probe_up = not self._copy_probe_up
-            return lengths[i + 1] if up else lengths[i - 1]
+            return _neighbour(lengths, best, up=not self._copy_probe_up)
         return best
 
     def record_copy(self, n_copied: int, n_accepted: int, streak: bool = False) -> None:

@@ -17,8 +17,9 @@ maverick/q4.py; fp32: every quantised linear as one-byte codes, the same weights
 checked against ours-plain+q4).
 Methods named <method>-compiled (ours-plain-compiled, eagle3-tuned+lookup-compiled, ...) run the target's
 steps on the compiled engine (maverick/compiled.py, compiled once before the prompts; checked against
-ours-plain-compiled) and, on CPU, the draft's steps as a compiled graph too (eagle3/compiled_draft.py). llama.cpp and llama.cpp-prompt-lookup run llama.cpp on the same GGUF file and prompt
-ids, 2 threads, when llama-cpp-python is installed (eval/llama_cpp.py; pip install -e '.[llamacpp]').
+ours-plain-compiled) and, on CPU, the draft's steps as a compiled graph too (eagle3/compiled_draft.py).
+llama.cpp and llama.cpp-prompt-lookup run llama.cpp on the same GGUF file and prompt ids, 2 threads, when
+llama-cpp-python is installed (eval/llama_cpp.py; pip install -e '.[llamacpp]').
 Methods named eagle3-...+lookup draft by prompt lookup where the text repeats itself and with the EAGLE-3
 draft elsewhere (eagle3/lookup.py); eagle3-...+lookup+store also copy from a datastore of the target's own
 answers (eagle3/datastore.py, --datastore) where the sequence itself has no match.

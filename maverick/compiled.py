@@ -97,9 +97,9 @@ def cache_frozen_graphs() -> None:
     weights gets its own numbers (tested). Only the check that no constant is a oneDNN (mkldnn) tensor,
     which cannot be pickled, stops it: freezing packs every bf16 linear weight into one. Frozen packed
     weights are never pickled (looked up by name), so this lets them through with their dtype and shape as
-    their key, as inductor does for every other frozen weight. The dense engine's five buckets then load
-    in seconds in a later run instead of compiling for ~4 minutes. Where torch's internals differ, nothing is
-    patched (the graphs compile every run, as before)."""
+    their key, as inductor does for every other frozen weight. The dense engine's five buckets then load in
+    about a minute in a later run instead of compiling for ~4-5 minutes. Where torch's internals differ,
+    nothing is patched (the graphs compile every run, as before)."""
     from torch._inductor import codecache
     from torch._inductor.freezing_utils import is_frozen_param
 
@@ -497,28 +497,17 @@ class CompiledTarget:
         return out
 
     def _span(self, cache: KVCache, R: int) -> Tensor:
-        """The shape carrier of a call's key span: the committed slots plus R (or the span forced on the
-        engine, `span_slots`) in blocks of SPAN slots; an empty tensor of one row per block, whose length the
-        graph reads, marked dynamic so that one graph serves every span."""
-        # at least 2 blocks: a dynamic size of 1 would be specialised, a second graph per bucket
-        blocks = max(2, -(-(self.span_slots or int(cache.lengths.max()) + R) // SPAN))
-        span = self._spans.get(blocks)
-        if span is None:
-            span = self._spans[blocks] = torch.empty(blocks, 0, device=self.device)
-            if self.device.type != "cuda":  # CUDA graphs replay one shape: the whole cache there
-                torch._dynamo.mark_dynamic(span, 0)
-        return span
+        """`span_carrier` of the committed slots plus R (or the span forced on the engine, `span_slots`);
+        static on CUDA, whose graphs replay one shape (the whole cache)."""
+        slots = self.span_slots or int(cache.lengths.max()) + R
+        return span_carrier(self._spans, slots, self.device, dynamic=self.device.type != "cuda")
 
     def _eager(self, tokens, cache, positions, tree_mask, feature_layers, logits, inputs_embeds) -> Output:
         """The eager model, on this engine's cache too (prefill): its bookkeeping slices to the part in use."""
         if cache is None or not getattr(cache, "compiled", False):
             return self.base(tokens, cache, positions, tree_mask, feature_layers, logits, inputs_embeds)
-        cache.slice_to_bound = True
-        cache.bound = int(cache.lengths.max())
-        try:
+        with cache.sliced_to_use():
             return self.base(tokens, cache, positions, tree_mask, feature_layers, logits, inputs_embeds)
-        finally:
-            cache.slice_to_bound = False
 
     def compile(self, batch_size: int = 1) -> dict[int, float]:
         """Compile (or load from the cache) every bucket's graph now, on a scratch cache; returns the
@@ -532,6 +521,19 @@ class CompiledTarget:
             self.run(R, tokens, cache)
             self.compile_seconds[R] -= time.perf_counter() - t0
         return dict(self.compile_seconds)
+
+
+def span_carrier(spans: dict[int, Tensor], slots: int, device, dynamic: bool = True) -> Tensor:
+    """The shape carrier of a compiled call's key span: `slots` in blocks of SPAN (at least 2: a dynamic size
+    of 1 would be specialised, a second graph), an empty tensor of one row per block whose length the graph
+    reads, kept in `spans` by block count and marked dynamic so that one graph serves every span."""
+    blocks = max(2, -(-slots // SPAN))
+    span = spans.get(blocks)
+    if span is None:
+        span = spans[blocks] = torch.empty(blocks, 0, device=device)
+        if dynamic:
+            torch._dynamo.mark_dynamic(span, 0)
+    return span
 
 
 def _own_forward(step: nn.Module):

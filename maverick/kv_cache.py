@@ -16,6 +16,7 @@ the whole preallocated cache every step); `truncate` resets it from the new leng
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -113,6 +114,17 @@ class KVCache(nn.Module):
         self.lengths += n
         if self.slice_to_bound:
             self.bound += n
+
+    @contextmanager
+    def sliced_to_use(self):
+        """Within: a fixed-shape cache (a compiled engine's) sliced to the slots in use, as an eager call on it
+        (a prefill) needs; after: fixed-shape again."""
+        self.slice_to_bound = True
+        self.bound = int(self.lengths.max())
+        try:
+            yield self
+        finally:
+            self.slice_to_bound = False
 
     def truncate(self, lengths: Tensor | int) -> None:
         """Roll back (or forward, within what was written) to the given committed lengths."""
