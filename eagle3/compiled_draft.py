@@ -7,8 +7,9 @@ compiled 4-bit target (maverick/compiled.py). `CompiledDraft` runs `Eagle3Draft.
 own as one inductor graph (C++ wrapper): the new tokens' rows at cache slots start .. start + T - 1, the
 attention over the slots in use in blocks of SPAN (a dynamic dimension, as the target engine's), the row
 count dynamic too (at least 2 rows; one row would be specialised into a second graph). One graph serves
-every call. It is frozen (oneDNN-packed weights) and loads from inductor's cache in a later run
-(`maverick.compiled.cache_frozen_graphs`): ~3 s instead of ~6-9 s.
+every call. It is frozen (oneDNN-packed weights) and kept on disk as an AOTInductor package
+(maverick/aot.py), named by a hash of the draft's weights, shapes and source: a later run loads it in
+~0.1 s (with aot=False, torch.compile takes it from inductor's cache, `cache_frozen_graphs`: ~3 s).
 
 The draft need not keep bits across row counts: whatever it proposes, verification keeps the target's
 tokens (greedy speculative decoding still equals plain decoding, tested). Calls it does not cover (no cache,
@@ -18,11 +19,16 @@ On CUDA `SpecDecoder(compile_draft=True)` keeps its CUDA-graph step instead (eag
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from eagle3.draft import Eagle3Draft
+from eagle3.draft import __file__ as draft_source
+from maverick.aot import load_or_build, package_key, weights_digest
 from maverick.compiled import (
     SPAN,
     _inputs_only,
@@ -75,7 +81,9 @@ class CompiledDraft:
     max_len: the tokens its caches hold (slots: max_len + a call's rows, rounded up to SPAN blocks, + a
     spare slot so that a span never reaches the cache's end)."""
 
-    def __init__(self, draft: Eagle3Draft, max_len: int, max_rows: int = 32, cpp_wrapper: bool = True):
+    def __init__(
+        self, draft: Eagle3Draft, max_len: int, max_rows: int = 32, cpp_wrapper: bool = True, aot: bool = True
+    ):
         if next(draft.parameters()).device.type != "cpu":
             raise ValueError(
                 "CompiledDraft runs on CPU; on CUDA SpecDecoder(compile_draft=True) uses CUDA graphs"
@@ -87,7 +95,11 @@ class CompiledDraft:
         self.max_rows = max_rows
         self.slots = -(-(max_len + max_rows) // SPAN) * SPAN
         self.step = _DraftStep(draft).eval()
-        self.options = {"cpp_wrapper": cpp_wrapper, "freezing": True}
+        self.aot = aot
+        self.options = {"freezing": True} if aot else {"cpp_wrapper": cpp_wrapper, "freezing": True}
+        self._runners: dict[int, Callable] = {}  # AOT: batch size -> loaded package
+        self.package: Path | None = None  # AOT: the last package built or loaded
+        self.loaded: bool | None = None  # AOT: whether it came from disk
         self._fn = torch.compile(
             _own_forward(self.step), dynamic=False, fullgraph=True, options={"guard_filter_fn": _inputs_only}
         )
@@ -128,19 +140,48 @@ class CompiledDraft:
         if positions is not None or mask is not None or tree_mask is not None or T > self.max_rows:
             with cache.sliced_to_use():  # eager (e.g. the prefill's catch-up) on the slots in use
                 return self.base(embeds, hidden, positions, cache, mask, tree_mask)
-        end = int(cache.lengths.max()) + T
+        R = max(T, MIN_ROWS)
+        end = int(cache.lengths.max()) + R  # padded rows included: the span covers them
         if end > cache.max_len:
             raise RuntimeError(f"draft KV cache overflow: {end} slots, the cache holds {cache.max_len}")
-        R = max(T, MIN_ROWS)
         if R != T:  # padded rows: after the real ones (causal), written past them, never committed
             embeds = F.pad(embeds, (0, 0, 0, R - T))
             hidden = F.pad(hidden, (0, 0, 0, R - T))
         embeds, hidden = embeds.to(hidden.dtype).contiguous(), hidden.contiguous()
-        torch._dynamo.mark_dynamic(embeds, 1)  # no bounds: a cached graph serves any max_rows
-        torch._dynamo.mark_dynamic(hidden, 1)
-        with torch._inductor.config.patch(self.options), torch._dynamo.config.patch(recompile_limit=64):
-            h = self._fn(
-                embeds, hidden, cache.lengths, cache.k, cache.v, span_carrier(self._spans, end + R - T, "cpu")
-            )
+        args = (
+            embeds,
+            hidden,
+            cache.lengths,
+            cache.k,
+            cache.v,
+            span_carrier(self._spans, end, "cpu"),
+        )
+        if self.aot:
+            runner = self._runners.get(hidden.shape[0]) or self._package(args)
+            h = runner(*args)
+        else:
+            torch._dynamo.mark_dynamic(embeds, 1)  # no bounds: a cached graph serves any max_rows
+            torch._dynamo.mark_dynamic(hidden, 1)
+            with torch._inductor.config.patch(self.options), torch._dynamo.config.patch(recompile_limit=64):
+                h = self._fn(*args)
         cache.advance(T)
         return h[:, :T]
+
+    def _package(self, args: tuple[Tensor, ...]) -> Callable:
+        """The step's AOTInductor package for this batch size, loaded from disk or built (maverick/aot.py):
+        rows 2..max_rows and the key span dynamic."""
+        key = package_key(
+            weights_digest(self.step),
+            (__file__, draft_source),
+            engine="draft",
+            batch=args[1].shape[0],
+            max_rows=self.max_rows,
+            slots=self.slots,
+            options=self.options,
+        )
+        rows = torch.export.Dim("rows", min=MIN_ROWS, max=self.max_rows)
+        blocks = torch.export.Dim("blocks", min=2, max=self.slots // SPAN)
+        dynamic = ({1: rows}, {1: rows}, None, None, None, {0: blocks})
+        runner, self.package, self.loaded = load_or_build(self.step, args, dynamic, self.options, key)
+        self._runners[args[1].shape[0]] = runner
+        return runner

@@ -318,7 +318,11 @@ def compiled_engine(target, draft, args):
     feats = draft.config.feature_layers if draft is not None else ()
     engine = CompiledTarget(target, bench_max_len(args), feats)
     secs = engine.compile()
-    print(json.dumps({"compile_s": round(sum(secs.values()), 1), "rows": list(secs)}), flush=True)
+    loaded = sum(engine.loaded.values())  # buckets whose AOT package came from disk
+    print(
+        json.dumps({"compile_s": round(sum(secs.values()), 1), "rows": list(secs), "loaded": loaded}),
+        flush=True,
+    )
     return engine
 
 

@@ -11,6 +11,15 @@ difference: 6.72 against 6.60 ms a step). On CUDA the same graphs are replayed a
 (`triton.cudagraphs`, what `mode="reduce-overhead"` sets). Long calls (prefill) and tree verifies run on
 the eager model.
 
+How a step is compiled. On CPU (`aot`, the default there) each bucket is an AOTInductor package
+(maverick/aot.py): exported once, compiled with its weights frozen, kept on disk under a hash of the
+weights, shapes, options and this file's and model.py's source, and loaded by a later engine in ~0.2 s
+without tracing anything. The 4-bit SmolLM2 engine's six buckets: 255 s to build, then ~2 s to start;
+its logits have the same bits as the torch.compile graphs' in every bucket, at the same speed (6.45
+against 6.19 ms a decode step, 25.9 against 26.6 for 24 rows; one run, AMD EPYC Zen 4). Elsewhere (CUDA,
+or aot=False) `torch.compile` traces the step in every process and takes its compiled graphs from
+inductor's FX graph cache.
+
 Where a step's time goes (4-bit SmolLM2, decode at a 300-token context, 6.6 ms, torch.profiler, AMD EPYC
 Zen 4, 2 threads): the int4 linears 37%, the head (oneDNN bf16) 18%, the graph's fused kernels and its
 wrapper 26%, dynamo's guard checks before each call 9%, the attention's bmm 6%. Most guards were on the
@@ -20,12 +29,18 @@ guards on its inputs (`_inputs_only`): 6.15 -> 5.63 ms a decode step, the same b
 Weights. A dense bf16 model is compiled with `freezing`: its weights become constants that inductor
 packs for oneDNN and calls directly. A model loaded with q4=True (maverick/q4.py) runs its projections
 through torch's int4 kernel on the GGUF's own 4-bit codes, inside the graph: ~3.5x fewer bytes streamed
-per step than bf16. Its packs, and the head packed for oneDNN once here, are graph inputs, not frozen
-constants: its graphs load from inductor's FX graph cache in a later run (~3 s a bucket instead of ~50 s).
-The dense engine stays frozen because its 121 linears through an opaque op on unfrozen packed weights ran
-at 72 instead of 99 tok/s (measured). Inductor would skip frozen graphs with oneDNN-packed weights in
-its cache; `cache_frozen_graphs` lets them in, so the dense engine's five buckets load in 66 s instead of
-compiling for 284 s (SmolLM2, measured; a hit still traces, freezes and packs the weights).
+per step than bf16. In an AOT package both are frozen (the 4-bit one's head packed by freezing). Under
+torch.compile the 4-bit packs, and the head packed for oneDNN once here, are graph inputs, not frozen
+constants, so that its graphs load from inductor's FX graph cache (~3 s a bucket); the dense engine stays
+frozen there because its 121 linears through an opaque op on unfrozen packed weights ran at 72 instead of
+99 tok/s (measured), and `cache_frozen_graphs` lets its frozen graphs into inductor's cache (66 s for
+five buckets instead of 284 s; a hit still traces, freezes and packs the weights).
+Not taken, measured on AMD EPYC Zen 4 (2 threads): the GGUF's one 8-bit matrix, the tied head (Q8_0), as
+an inductor-generated dequantising reduction took 2.2 ms for 1 row and 13.1 for 24, against 0.95 and 2.1
+ms for oneDNN's bf16 matmul on the packed dense head; `_weight_int8pack_mm` (0.61 ms for 1 row) takes one
+scale per output row, not Q8_0's one per 32 inputs. Inductor's WoQ int4 GEMM template (max_autotune) on
+AVX-512 computes in fp32 as the ATen kernel does and was slower (3072x576: 55 against 40 us for 1 row,
+351 against 275 for 24); its AMX micro-kernel is for the Xeon.
 
 Row counts. A call of T tokens runs the graph of the smallest row bucket >= T (`rows`), padded with
 token 0 at the positions after the real ones: causal masking keeps the padding out of every real row,
@@ -46,9 +61,9 @@ the masked blocks past the keys in use add exact zeros at the end, so a row's bi
 span (tested). Written instead as broadcast multiplies and reductions (the fallback where no row count
 keeps bmm's bits) it cost ~17 of a 25 ms SmolLM2 step on AMD Zen 4 (measured).
 
-Compiled artifacts go to inductor's caches under `.cache/inductor` in the repository (or
-$TORCHINDUCTOR_CACHE_DIR). `compile()` builds every bucket up front and reports the seconds apart from
-the time to first token.
+Compiled artifacts go under `.cache/` in the repository: AOT packages in `.cache/aoti`, inductor's caches
+in `.cache/inductor` (or $TORCHINDUCTOR_CACHE_DIR). `compile()` builds or loads every bucket up front and
+reports the seconds apart from the time to first token.
 """
 
 from __future__ import annotations
@@ -56,16 +71,18 @@ from __future__ import annotations
 import os
 import time
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from maverick.aot import load_or_build, package_key, weights_digest
 from maverick.kv_cache import KVCache
 from maverick.linear import packed_matmul, packed_weight
 from maverick.model import Llama4, Output, _rms, apply_rope, bmm_min_rows, rope_tables
+from maverick.model import __file__ as model_source
 from maverick.q4 import GROUP, Q4Weight, group_pack, live_pack
 
 CACHE_DIR = Path(__file__).resolve().parent.parent / ".cache" / "inductor"
@@ -182,17 +199,20 @@ class _Step(nn.Module):
     features [B, T, n H] (the states entering `feature_layers`, concatenated; [B, T, 0] for none),
     hidden [B, T, H] (after the final norm)."""
 
-    def __init__(self, model: Llama4, feature_layers: tuple[int, ...]):
+    def __init__(self, model: Llama4, feature_layers: tuple[int, ...], packed_head: bool = True):
         super().__init__()
         self.model = model
         self.feature_layers = feature_layers
         self.bmm_rows = bmm_min_rows()  # probed here, eagerly: a compiled region cannot run the probe
         self.q4 = _q4_packs(model)
+        # a 4-bit step left unfrozen (torch.compile) multiplies by the head packed here; a frozen one (AOT)
+        # lets freezing pack it
+        self.packed_head = self.q4 is not None and packed_head
         for name, packs in (self.q4 or {}).items():  # buffers: graph inputs (or constants, frozen)
             for j, pack in enumerate(packs):
                 self.register_buffer(f"q4w_{name}_{j}", pack.packed, persistent=False)
                 self.register_buffer(f"q4sz_{name}_{j}", pack.scale_zero, persistent=False)
-        if self.q4 is not None:  # unfrozen: the head packed for oneDNN here, as freezing would, a buffer
+        if self.packed_head:  # unfrozen: the head packed for oneDNN here, as freezing would, a buffer
             self.register_buffer("pk_head", packed_weight(model.lm_head.weight), persistent=False)
 
     def forward(self, tokens: Tensor, start: Tensor, k_cache: Tensor, v_cache: Tensor, span: Tensor):
@@ -241,7 +261,7 @@ class _Step(nn.Module):
         if cfg.num_hidden_layers in self.feature_layers:
             feats[cfg.num_hidden_layers] = x
         h = m.model.norm(x)
-        logits = packed_matmul(h, self.pk_head) if self.q4 is not None else F.linear(h, m.lm_head.weight)
+        logits = packed_matmul(h, self.pk_head) if self.packed_head else F.linear(h, m.lm_head.weight)
         features = torch.cat([feats[i] for i in self.feature_layers], -1) if feats else x[..., :0]
         return logits, features, h
 
@@ -335,12 +355,16 @@ class CompiledTarget:
         rows: Sequence[int] = DEFAULT_ROWS,
         autotune: bool = False,
         cpp_wrapper: bool = True,
+        aot: bool | None = None,
     ):
         bad = [i for i, layer in enumerate(model.model.layers) if layer.is_moe or not layer.flat_ok()]
         if bad:
             raise ValueError(
                 f"the compiled engine runs dense layers of plain bf16/fp32 Linears; layers {bad} are not"
             )
+        self.aot = model.device.type == "cpu" if aot is None else aot
+        if self.aot and model.device.type != "cpu":
+            raise ValueError("AOTInductor packages are this engine's CPU path; CUDA runs CUDA graphs")
         use_repo_cache()
         cache_frozen_graphs()
         self.base = model
@@ -354,14 +378,20 @@ class CompiledTarget:
         # rounded up to SLOTS_ROUND: the cache's shape is part of every graph, so engines of nearby max_len
         # (a CLI call per prompt) share the graphs cached on disk
         self.slots = -(-(max_len + self.rows[-1]) // SLOTS_ROUND) * SLOTS_ROUND
-        self.step = _Step(model, self.feature_layers).eval()
-        # a dense model frozen, a 4-bit one (CPU only) not: see the module docstring, cached or fast
-        options = {"freezing": not q4, "emulate_precision_casts": True}
+        self.step = _Step(model, self.feature_layers, packed_head=not self.aot).eval()
+        # torch.compile: a dense model frozen, a 4-bit one not (see the module docstring); AOT: both frozen
+        options = {"freezing": self.aot or not q4, "emulate_precision_casts": True}
         if model.device.type == "cuda":
             options["triton.cudagraphs"] = True  # mode="reduce-overhead"
+        elif self.aot:
+            options["max_autotune"] = autotune
         else:
             options |= {"max_autotune": autotune, "cpp_wrapper": cpp_wrapper}
         self.options = options
+        self._runners: dict[tuple[int, int], Callable] = {}  # AOT: (bucket, batch) -> loaded package
+        self._weights: str | None = None  # AOT: weights_digest of the step, taken at the first package
+        self.packages: dict[int, Path] = {}  # AOT: bucket -> its package file
+        self.loaded: dict[int, bool] = {}  # AOT: bucket -> whether its package came from disk
         self._fn = torch.compile(
             _own_forward(self.step), dynamic=False, fullgraph=True, options={"guard_filter_fn": _inputs_only}
         )
@@ -481,20 +511,49 @@ class CompiledTarget:
 
     @torch.no_grad()
     def run(self, R: int, tokens: Tensor, cache: KVCache) -> tuple[Tensor, Tensor, Tensor]:
-        """The compiled graph of bucket R on tokens [B, R]; the first call of a bucket compiles it."""
+        """The compiled graph of bucket R on tokens [B, R]; the first call of a bucket compiles it (or loads
+        its AOT package)."""
         t0 = time.perf_counter() if R not in self.compile_seconds else None
         if self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
         span = self._span(cache, R)
-        # inductor's options patched here: passed to torch.compile they skip freezing (2.13); each bucket is a
-        # recompile of the engine's own code object (`_own_forward`), past dynamo's default limit of 8
-        with torch._inductor.config.patch(self.options), torch._dynamo.config.patch(recompile_limit=64):
-            out = self._fn(tokens, cache.lengths, cache.k, cache.v, span)
+        if self.aot:
+            runner = self._runners.get((R, tokens.shape[0])) or self._package(R, tokens, cache, span)
+            out = tuple(runner(tokens, cache.lengths, cache.k, cache.v, span))
+        else:
+            # inductor's options patched here: passed to torch.compile they skip freezing (2.13); each bucket
+            # is a recompile of the engine's own code object (`_own_forward`), past dynamo's default limit of 8
+            with torch._inductor.config.patch(self.options), torch._dynamo.config.patch(recompile_limit=64):
+                out = self._fn(tokens, cache.lengths, cache.k, cache.v, span)
         if self.device.type == "cuda":  # the next replay overwrites a CUDA graph's outputs
             out = tuple(t.clone() for t in out)
         if t0 is not None:
             self.compile_seconds[R] = time.perf_counter() - t0
         return out
+
+    def _package(self, R: int, tokens: Tensor, cache: KVCache, span: Tensor) -> Callable:
+        """Bucket R's AOTInductor package for this batch size (maverick/aot.py): loaded from disk when this
+        engine's weights, shapes, options and source were compiled before, else exported and compiled."""
+        if self._weights is None:
+            self._weights = weights_digest(self.step)
+        B = tokens.shape[0]
+        key = package_key(
+            self._weights,
+            (__file__, model_source),
+            engine="target",
+            rows=R,
+            batch=B,
+            slots=self.slots,
+            features=self.feature_layers,
+            bmm_rows=self.step.bmm_rows,
+            options=self.options,
+        )
+        blocks = torch.export.Dim("blocks", min=2, max=self.slots // SPAN)
+        args = (tokens, cache.lengths, cache.k, cache.v, span)
+        dynamic = (None, None, None, None, {0: blocks})
+        runner, self.packages[R], self.loaded[R] = load_or_build(self.step, args, dynamic, self.options, key)
+        self._runners[(R, B)] = runner
+        return runner
 
     def _span(self, cache: KVCache, R: int) -> Tensor:
         """`span_carrier` of the committed slots plus R (or the span forced on the engine, `span_slots`);

@@ -6,6 +6,8 @@ shared by the module's tests; the real-model check is `slow`."""
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.lookup import LookupConfig
 from eagle3.spec import SpecDecoder, TreeConfig
 from eagle3.tuner import DraftLengthTuner, FixedK
+from maverick.aot import load_or_build, prune
 from maverick.compiled import SPAN, CompiledTarget, _q4_packs, compiled_target
 from maverick.config import get_config
 from maverick.generate import Decoder
@@ -70,31 +73,88 @@ def test_compiled_greedy_tokens_equal_eager(engine):
         )
 
 
-def test_engines_of_one_shape_run_their_own_graphs(engine):
-    """Each engine compiles its own copy of the step's code and drops dynamo's guards on its module tree: a
-    second engine of the same shape (other weights) in the same process must still run its own graphs, not
-    the first one's (which would pass every guard left). Its greedy tokens equal its own eager model's, and
-    its logits are near its own model's, far from the first engine's. Its frozen graphs come from inductor's
-    FX graph cache (`cache_frozen_graphs`), with its own weights."""
-    other = CompiledTarget(make_target(seed=7), MAX_LEN, FEATURES, rows=ROWS)
-    hits = counters["inductor"]["fxgraph_cache_hit"]
-    other.compile()
-    assert counters["inductor"]["fxgraph_cache_hit"] - hits == len(other.rows)
+def _own_logits(engines: list[CompiledTarget]) -> None:
+    """Each engine's logits are near its own eager model's and far from the first engine's."""
     x = torch.tensor([PROMPTS[1]])
     outs = []
-    for e in (engine, other):
+    for e in engines:
         cache = e.new_cache(1)
         e(x[:, :-4], cache)
         got = e(x[:, -4:], cache).logits.float()
         want = e.base(x).logits[:, -4:].float()
         assert (got - want).abs().max() <= 0.02 * want.abs().max(), "compiled logits far from its own model's"
         outs.append(got)
-    assert (outs[0] - outs[1]).abs().max() > 0.2 * outs[0].abs().max()
+    for got in outs[1:]:
+        assert (outs[0] - got).abs().max() > 0.2 * outs[0].abs().max()
+
+
+def test_engines_of_one_shape_run_their_own_graphs():
+    """torch.compile (the CUDA path; CPU with aot=False): each engine compiles its own copy of the step's code
+    and drops dynamo's guards on its module tree, so a second engine of the same shape (other weights) in the
+    same process must still run its own graphs, not the first one's (which would pass every guard left).
+    Its greedy tokens equal its own eager model's, and its logits are its own model's. Its frozen graphs
+    come from inductor's FX graph cache (`cache_frozen_graphs`), with its own weights."""
+    first = CompiledTarget(make_target(), MAX_LEN, FEATURES, rows=ROWS, aot=False)
+    first.compile()
+    other = CompiledTarget(make_target(seed=7), MAX_LEN, FEATURES, rows=ROWS, aot=False)
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    other.compile()
+    assert counters["inductor"]["fxgraph_cache_hit"] - hits == len(other.rows)
+    _own_logits([first, other])
     p = PROMPTS[0]
     assert (
         Decoder(other, max_len=MAX_LEN).generate([p], 16).tokens
         == Decoder(other.base, max_len=MAX_LEN).generate([p], 16).tokens
     )
+
+
+def test_aot_packages_are_named_by_their_weights(engine):
+    """On CPU every bucket is an AOTInductor package on disk named by a hash of the weights, shapes, options
+    and source: an engine of the same weights (another module) loads every bucket from disk and gives the
+    first engine's bits; an engine of other weights has packages of its own and its own model's logits."""
+    assert engine.aot and set(engine.packages) == set(engine.rows)
+    same = CompiledTarget(make_target(), MAX_LEN, FEATURES, rows=ROWS)
+    same.compile()
+    assert same.packages == engine.packages and all(same.loaded.values())
+    x = torch.tensor([PROMPTS[1]])
+    got = []
+    for e in (engine, same):
+        cache = e.new_cache(1)
+        e(x[:, :-4], cache)
+        got.append(e(x[:, -4:], cache, feature_layers=FEATURES))
+    assert torch.equal(got[0].logits, got[1].logits) and torch.equal(got[0].features, got[1].features)
+    other = CompiledTarget(make_target(seed=7), MAX_LEN, FEATURES, rows=ROWS)
+    other.compile()
+    assert not set(other.packages.values()) & set(engine.packages.values())
+    _own_logits([engine, other])
+
+
+def test_an_interrupted_package_build_leaves_nothing(tmp_path, monkeypatch):
+    """A package is written under a temporary name and renamed: a build that fails half-way leaves no file
+    that a later run would load."""
+
+    def fails(program, package_path, inductor_configs):
+        Path(package_path).write_bytes(b"half a package")
+        raise RuntimeError("compiler killed")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", fails)
+    with pytest.raises(RuntimeError, match="compiler killed"):
+        load_or_build(torch.nn.Linear(4, 4), (torch.ones(1, 4),), None, {}, "k", tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_prune_keeps_the_most_recent_packages(tmp_path):
+    """The package directory keeps to its budget by deleting the least recently used packages, never the
+    one just built, nor a build under way."""
+    paths = []
+    for i, name in enumerate(["a.pt2", "b.pt2", "c.pt2", "d.123.tmp.pt2"]):
+        p = tmp_path / name
+        p.write_bytes(bytes(1024))
+        os.utime(p, (1000 + i, 1000 + i))
+        paths.append(p)
+    deleted = prune(tmp_path, keep=paths[0], budget_gib=1.5 * 1024 / 2**30)
+    assert deleted == [paths[1]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt2", "c.pt2", "d.123.tmp.pt2"]
 
 
 def test_rows_keep_their_bits_in_every_bucket(engine):
@@ -252,13 +312,21 @@ def test_compiled_draft_matches_the_eager_draft(engine):
         cc.k[..., :n, :].float() - ce.k[..., :n, :].float()
     ).abs().max() <= 0.02 * ce.k.float().abs().max()
     assert comp.config is draft.config and comp.logits(got).shape[-1] == draft.config.draft_vocab_size
+    # a compiled draft of the same weights (another module) loads the AOT package and gives the same bits
+    again = CompiledDraft(make_draft(engine.base), MAX_LEN, max_rows=8)
+    outs = []
+    for d in (comp, again):
+        cache = d.new_cache(1, MAX_LEN)
+        outs += [d(emb, hid, None, cache=cache) for T, emb, hid in calls[:3]]
+    assert all(torch.equal(a, b) for a, b in zip(outs[:3], outs[3:]))
+    assert again.loaded and again.package == comp.package
 
 
 def test_compiled_draft_rows_of_other_lengths():
     """Two rows whose caches hold different lengths (a batch after a verify that accepted more in one row):
     each row's compiled draft state matches the eager draft's."""
     draft = make_draft(make_target())
-    comp = CompiledDraft(draft, MAX_LEN)
+    comp = CompiledDraft(draft, MAX_LEN, max_rows=8)
     H = draft.config.hidden_size
     g = torch.Generator().manual_seed(12)
     ce, cc = draft.new_cache(2, MAX_LEN), comp.new_cache(2, MAX_LEN)

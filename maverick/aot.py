@@ -1,0 +1,118 @@
+"""Compiled graphs as AOTInductor packages on disk: a later run loads a step in a fraction of a second.
+
+`torch.compile` caches what it can, but every process still traces the model with dynamo before it can
+look a graph up (and a frozen graph is frozen and packed again): ~4 s a bucket for the 4-bit SmolLM2
+engine, ~12 s for the dense one, so an engine took 20-90 s to start even when nothing was new. AOTInductor
+does the trace once: `torch.export` captures the step, inductor compiles it with its frozen weights into a
+shared library, and `aoti_load_package` maps that library back in ~0.2 s. The call is one C++ function:
+no dynamo guards, no Python between kernels.
+
+A package holds the weights it was frozen with, so its file name is a hash of everything its code and
+numbers depend on: the weights' bytes, the step's source files, the shapes, inductor's options, torch's
+version, the CPU (its vector ISA and model: the kernels are built for it) and the thread count (inductor
+builds it into each kernel's parallel loop). Packages are written under a temporary name and renamed, so
+an interrupted build leaves nothing half-written behind; a later engine of the same weights loads them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+AOT_DIR = Path(__file__).resolve().parent.parent / ".cache" / "aoti"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def weights_digest(module: nn.Module) -> str:
+    """A hash of every parameter's and buffer's name, dtype, shape and bytes (~0.3 s for SmolLM2 in bf16)."""
+    h = hashlib.blake2b(digest_size=16)
+    seen: set[int] = set()
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        if id(t) in seen or t.is_mkldnn:  # a tied weight once; a oneDNN copy stands for a weight hashed here
+            continue
+        seen.add(id(t))
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def package_key(weights: str, sources: Iterable[str | os.PathLike], **spec) -> str:
+    """The name of a package compiled from a module of these weights (`weights_digest`) and source files,
+    with this spec (shapes, options: any repr-able values)."""
+    h = hashlib.blake2b(digest_size=16)
+    for src in sources:
+        h.update(Path(src).read_bytes())
+    env = {
+        "torch": torch.__version__,
+        "cpu": (torch.backends.cpu.get_cpu_capability(), _cpu_name()),
+        "threads": torch.get_num_threads(),
+    }
+    h.update(repr(sorted((env | spec).items())).encode())
+    h.update(weights.encode())
+    return h.hexdigest()
+
+
+def load_or_build(
+    module: nn.Module,
+    args: tuple[Tensor, ...],
+    dynamic_shapes: tuple,
+    options: dict,
+    key: str,
+    directory: Path | None = None,
+) -> tuple[Callable, Path, bool]:
+    """(the compiled module, its package, whether it came from disk) for `module(*args)`: the package `key`
+    if there is one, else `module` exported, compiled with inductor's `options` and written first; then the
+    least recently used packages past the directory's budget (`prune`) are deleted."""
+    directory = directory or AOT_DIR
+    path = directory / f"{key}.pt2"
+    loaded = path.exists()
+    if not loaded:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{key}.{os.getpid()}.tmp.pt2")
+        try:
+            # no_grad for both: inductor freezes weights only when gradients are off; a copy of the options,
+            # which the call adds to
+            with torch.no_grad():
+                program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
+                torch._inductor.aoti_compile_and_package(
+                    program, package_path=str(tmp), inductor_configs=dict(options)
+                )
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        prune(directory, keep=path)
+    else:
+        os.utime(path)  # recently used
+    return torch._inductor.aoti_load_package(str(path)), path, loaded
+
+
+def prune(directory: Path, keep: Path, budget_gib: float | None = None) -> list[Path]:
+    """Delete the least recently used packages in `directory` (not `keep`) until the rest fit `budget_gib`
+    ($MAVERICK_AOT_GIB, default 8: a dense SmolLM2 engine takes ~2 GiB, a 4-bit one ~1.1): every edit of the
+    step's source names new packages. Returns the deleted paths; they are rebuilt when asked for again."""
+    if budget_gib is None:
+        budget_gib = float(os.environ.get("MAVERICK_AOT_GIB", 8))
+    packages = [p for p in directory.glob("*.pt2") if ".tmp." not in p.name]  # not a build under way
+    packages.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    total, deleted = 0, []
+    for p in packages:
+        total += p.stat().st_size
+        if p != keep and total > budget_gib * 2**30:
+            p.unlink(missing_ok=True)
+            deleted.append(p)
+    return deleted
