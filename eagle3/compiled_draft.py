@@ -8,8 +8,9 @@ own as one inductor graph (C++ wrapper): the new tokens' rows at cache slots sta
 attention over the slots in use in blocks of SPAN (a dynamic dimension, as the target engine's), the row
 count dynamic too (at least 2 rows; one row would be specialised into a second graph). One graph serves
 every call. It is frozen (oneDNN-packed weights) and kept on disk as an AOTInductor package
-(maverick/aot.py), named by a hash of the draft's weights, shapes and source: a later run loads it in
-~0.1 s (with aot=False, torch.compile takes it from inductor's cache, `cache_frozen_graphs`: ~3 s).
+(maverick/aot.py), named by a hash of the draft's weights, shapes and source: SmolLM2's draft builds in
+~10 s and a later run loads it in ~1 s (with aot=False, torch.compile takes it from inductor's cache,
+`cache_frozen_graphs`: ~3 s).
 
 The draft need not keep bits across row counts: whatever it proposes, verification keeps the target's
 tokens (greedy speculative decoding still equals plain decoding, tested). Calls it does not cover (no cache,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -80,25 +81,31 @@ def load_or_build(
     least recently used packages past the directory's budget (`prune`) are deleted."""
     directory = directory or AOT_DIR
     path = directory / f"{key}.pt2"
-    loaded = path.exists()
-    if not loaded:
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{key}.{os.getpid()}.tmp.pt2")
+    if path.exists():
         try:
-            # no_grad for both: inductor freezes weights only when gradients are off; a copy of the options,
-            # which the call adds to
-            with torch.no_grad():
-                program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
-                torch._inductor.aoti_compile_and_package(
-                    program, package_path=str(tmp), inductor_configs=dict(options)
-                )
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        prune(directory, keep=path)
-    else:
-        os.utime(path)  # recently used
-    return torch._inductor.aoti_load_package(str(path)), path, loaded
+            runner = torch._inductor.aoti_load_package(str(path))
+            os.utime(path)  # recently used
+            return runner, path, True
+        except Exception as e:  # a damaged package (a disk that filled up, a copy cut short): built again
+            warnings.warn(
+                f"{path}: not a loadable package ({type(e).__name__}); building it again", stacklevel=2
+            )
+            path.unlink(missing_ok=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{key}.{os.getpid()}.tmp.pt2")
+    try:
+        # no_grad for both: inductor freezes weights only when gradients are off; a copy of the options,
+        # which the call adds to
+        with torch.no_grad():
+            program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
+            torch._inductor.aoti_compile_and_package(
+                program, package_path=str(tmp), inductor_configs=dict(options)
+            )
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    prune(directory, keep=path)
+    return torch._inductor.aoti_load_package(str(path)), path, False
 
 
 def prune(directory: Path, keep: Path, budget_gib: float | None = None) -> list[Path]:

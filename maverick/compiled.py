@@ -13,12 +13,14 @@ the eager model.
 
 How a step is compiled. On CPU (`aot`, the default there) each bucket is an AOTInductor package
 (maverick/aot.py): exported once, compiled with its weights frozen, kept on disk under a hash of the
-weights, shapes, options and this file's and model.py's source, and loaded by a later engine in ~0.2 s
-without tracing anything. The 4-bit SmolLM2 engine's six buckets: 255 s to build, then ~2 s to start;
-its logits have the same bits as the torch.compile graphs' in every bucket, at the same speed (6.45
-against 6.19 ms a decode step, 25.9 against 26.6 for 24 rows; one run, AMD EPYC Zen 4). Elsewhere (CUDA,
-or aot=False) `torch.compile` traces the step in every process and takes its compiled graphs from
-inductor's FX graph cache.
+weights, shapes, options and this file's and model.py's source, and loaded by a later engine without
+tracing anything. SmolLM2 (AMD EPYC Zen 4, 2 threads): the 4-bit engine's six buckets build in 254 s and
+load in 6.7 s (21.5 s from inductor's caches under torch.compile), the dense engine's five in 224 s and
+5.4 s (87.7 s). The 4-bit packages' logits have the torch.compile graphs' bits in every bucket, at the
+same speed (6.45 against 6.19 ms a decode step, 25.9 against 26.6 for 24 rows, one run). The cost is
+memory: each bucket's package holds its own frozen copy of the weights (331 MB a dense bucket, 184 MB a
+4-bit one). Elsewhere (CUDA, or aot=False) `torch.compile` traces the step in every process and takes its
+compiled graphs from inductor's FX graph cache.
 
 Where a step's time goes (4-bit SmolLM2, decode at a 300-token context, 6.6 ms, torch.profiler, AMD EPYC
 Zen 4, 2 threads): the int4 linears 37%, the head (oneDNN bf16) 18%, the graph's fused kernels and its

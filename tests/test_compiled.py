@@ -143,6 +143,25 @@ def test_an_interrupted_package_build_leaves_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_damaged_package_is_built_again(tmp_path, monkeypatch):
+    """A package file that does not load (cut short) is deleted, with a warning naming it, and built again."""
+    bad = tmp_path / "k.pt2"
+    bad.write_bytes(b"PK\x03\x04 cut short")
+    built = []
+
+    def build(program, package_path, inductor_configs):
+        built.append(package_path)
+        raise RuntimeError("built")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", build)
+    with (
+        pytest.warns(UserWarning, match="k.pt2: not a loadable package"),
+        pytest.raises(RuntimeError, match="built"),
+    ):
+        load_or_build(torch.nn.Linear(4, 4), (torch.ones(1, 4),), None, {}, "k", tmp_path)
+    assert len(built) == 1 and not bad.exists()
+
+
 def test_prune_keeps_the_most_recent_packages(tmp_path):
     """The package directory keeps to its budget by deleting the least recently used packages, never the
     one just built, nor a build under way."""
