@@ -17,9 +17,12 @@ an interrupted build leaves nothing half-written behind; a later engine of the s
 from __future__ import annotations
 
 import hashlib
+import io
+import json
 import os
 import platform
 import warnings
+import zipfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -50,6 +53,34 @@ def weights_digest(module: nn.Module) -> str:
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         h.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+def share_tensors(runner, module: nn.Module, path: Path) -> None:
+    """Give a package built without its constants (`SHARED` options) the module's own parameters and buffers,
+    by name, uncopied, so that every package of one module reads one set of weights; constants the trace
+    made (index tensors) come from the package's own weight files. They are kept alive on the runner."""
+    tensors = dict(module.named_parameters()) | dict(module.named_buffers())
+    names = runner.get_constant_fqns()
+    consts = {n: tensors[n].detach() for n in names if n in tensors}
+    rest = [n for n in names if n not in consts]
+    if rest:
+        with zipfile.ZipFile(path) as z:
+            config = next(f for f in z.namelist() if f.endswith("weights_config.json"))
+            where = json.loads(z.read(config))
+            files = {f.rsplit("/", 1)[-1]: f for f in z.namelist() if "/data/weights/" in f}
+            for n in rest:
+                file, shape, stride, offset = where[n]
+                t = torch.load(io.BytesIO(z.read(files[file])), weights_only=True)
+                consts[n] = t.as_strided(shape, stride, offset)
+    runner.load_constants(consts, check_full_update=True, user_managed=True)
+    runner.maverick_constants = consts  # user-managed: the runner holds pointers, not references
+
+
+# inductor options for a package whose weights stay outside its library (`share_tensors`)
+SHARED = {
+    "aot_inductor.package_constants_in_so": False,
+    "aot_inductor.package_constants_on_disk_format": "pickle_weights",
+}
 
 
 def package_key(weights: str, sources: Iterable[str | os.PathLike], **spec) -> str:

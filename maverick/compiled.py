@@ -14,13 +14,17 @@ the eager model.
 How a step is compiled. On CPU (`aot`, the default there) each bucket is an AOTInductor package
 (maverick/aot.py): exported once, compiled with its weights frozen, kept on disk under a hash of the
 weights, shapes, options and this file's and model.py's source, and loaded by a later engine without
-tracing anything. SmolLM2 (AMD EPYC Zen 4, 2 threads): the 4-bit engine's six buckets build in 254 s and
-load in 6.7 s (21.5 s from inductor's caches under torch.compile), the dense engine's five in 224 s and
-5.4 s (87.7 s). The 4-bit packages' logits have the torch.compile graphs' bits in every bucket, at the
-same speed (6.45 against 6.19 ms a decode step, 25.9 against 26.6 for 24 rows, one run). The cost is
-memory: each bucket's package holds its own frozen copy of the weights (331 MB a dense bucket, 184 MB a
-4-bit one). Elsewhere (CUDA, or aot=False) `torch.compile` traces the step in every process and takes its
-compiled graphs from inductor's FX graph cache.
+tracing anything. A dense engine's packages are frozen: each holds its own packed copy of the weights
+(331 MB a SmolLM2 bucket, in memory too). A 4-bit engine's are not: their weights are kept apart from the
+code, and once loaded every bucket reads the model's own tensors (`maverick.aot.share_tensors`); the head
+(oneDNN-packed, which a package cannot take as a shared tensor) runs after the graph. SmolLM2 (AMD EPYC
+Zen 4, 2 threads): the 4-bit engine's six buckets build in 241 s and load in 2.5 s (21.5 s from
+inductor's caches under torch.compile), adding 430 MB to the process (1.5 GB with a copy per bucket);
+the dense engine's five build in 224 s and load in 5.4 s (87.7 s). The 4-bit packages' logits have the
+torch.compile graphs' bits in every bucket (measured on SmolLM2), and a step is no slower (5.1 ms for 1
+row, 24.5 for 24, against 6.2 and 26.6 under torch.compile in an earlier run). Elsewhere (CUDA, or
+aot=False) `torch.compile` traces the step in every process and takes its compiled graphs from inductor's
+FX graph cache.
 
 Where a step's time goes (4-bit SmolLM2, decode at a 300-token context, 6.6 ms, torch.profiler, AMD EPYC
 Zen 4, 2 threads): the int4 linears 37%, the head (oneDNN bf16) 18%, the graph's fused kernels and its
@@ -31,8 +35,7 @@ guards on its inputs (`_inputs_only`): 6.15 -> 5.63 ms a decode step, the same b
 Weights. A dense bf16 model is compiled with `freezing`: its weights become constants that inductor
 packs for oneDNN and calls directly. A model loaded with q4=True (maverick/q4.py) runs its projections
 through torch's int4 kernel on the GGUF's own 4-bit codes, inside the graph: ~3.5x fewer bytes streamed
-per step than bf16. In an AOT package both are frozen (the 4-bit one's head packed by freezing). Under
-torch.compile the 4-bit packs, and the head packed for oneDNN once here, are graph inputs, not frozen
+per step than bf16. Under torch.compile the 4-bit packs, and the head packed for oneDNN once here, are graph inputs, not frozen
 constants, so that its graphs load from inductor's FX graph cache (~3 s a bucket); the dense engine stays
 frozen there because its 121 linears through an opaque op on unfrozen packed weights ran at 72 instead of
 99 tok/s (measured), and `cache_frozen_graphs` lets its frozen graphs into inductor's cache (66 s for
@@ -80,7 +83,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from maverick.aot import load_or_build, package_key, weights_digest
+from maverick.aot import SHARED, load_or_build, package_key, share_tensors, weights_digest
 from maverick.kv_cache import KVCache
 from maverick.linear import packed_matmul, packed_weight
 from maverick.model import Llama4, Output, _rms, apply_rope, bmm_min_rows, rope_tables
@@ -201,15 +204,17 @@ class _Step(nn.Module):
     features [B, T, n H] (the states entering `feature_layers`, concatenated; [B, T, 0] for none),
     hidden [B, T, H] (after the final norm)."""
 
-    def __init__(self, model: Llama4, feature_layers: tuple[int, ...], packed_head: bool = True):
+    def __init__(self, model: Llama4, feature_layers: tuple[int, ...], head: bool = True):
         super().__init__()
         self.model = model
         self.feature_layers = feature_layers
         self.bmm_rows = bmm_min_rows()  # probed here, eagerly: a compiled region cannot run the probe
         self.q4 = _q4_packs(model)
-        # a 4-bit step left unfrozen (torch.compile) multiplies by the head packed here; a frozen one (AOT)
-        # lets freezing pack it
-        self.packed_head = self.q4 is not None and packed_head
+        # head=False: the step returns (features, hidden) and its caller applies the head (a 4-bit AOT package
+        # shares the model's tensors, and a oneDNN-packed head cannot be one of them); an unfrozen 4-bit
+        # step multiplies by the head packed here, a dense (frozen) one lets freezing pack it
+        self.head = head
+        self.packed_head = self.q4 is not None and head
         for name, packs in (self.q4 or {}).items():  # buffers: graph inputs (or constants, frozen)
             for j, pack in enumerate(packs):
                 self.register_buffer(f"q4w_{name}_{j}", pack.packed, persistent=False)
@@ -263,8 +268,10 @@ class _Step(nn.Module):
         if cfg.num_hidden_layers in self.feature_layers:
             feats[cfg.num_hidden_layers] = x
         h = m.model.norm(x)
-        logits = packed_matmul(h, self.pk_head) if self.packed_head else F.linear(h, m.lm_head.weight)
         features = torch.cat([feats[i] for i in self.feature_layers], -1) if feats else x[..., :0]
+        if not self.head:
+            return features, h
+        logits = packed_matmul(h, self.pk_head) if self.packed_head else F.linear(h, m.lm_head.weight)
         return logits, features, h
 
     def _linear(self, x: Tensor, name: str, layers: tuple[nn.Module, ...]) -> Tensor:
@@ -380,13 +387,19 @@ class CompiledTarget:
         # rounded up to SLOTS_ROUND: the cache's shape is part of every graph, so engines of nearby max_len
         # (a CLI call per prompt) share the graphs cached on disk
         self.slots = -(-(max_len + self.rows[-1]) // SLOTS_ROUND) * SLOTS_ROUND
-        self.step = _Step(model, self.feature_layers, packed_head=not self.aot).eval()
-        # torch.compile: a dense model frozen, a 4-bit one not (see the module docstring); AOT: both frozen
-        options = {"freezing": self.aot or not q4, "emulate_precision_casts": True}
+        # a 4-bit AOT package is not frozen: after loading it runs on the model's own tensors, one copy for
+        # every bucket, and the head packed here is applied outside the graph (see the module docstring)
+        self.shared = self.aot and q4
+        self.step = _Step(model, self.feature_layers, head=not self.shared).eval()
+        self._pk_head = packed_weight(model.lm_head.weight) if self.shared else None
+        # a dense model frozen, a 4-bit one not (see the module docstring)
+        options = {"freezing": not q4, "emulate_precision_casts": True}
         if model.device.type == "cuda":
             options["triton.cudagraphs"] = True  # mode="reduce-overhead"
         elif self.aot:
             options["max_autotune"] = autotune
+            if self.shared:
+                options |= SHARED
         else:
             options |= {"max_autotune": autotune, "cpp_wrapper": cpp_wrapper}
         self.options = options
@@ -522,6 +535,8 @@ class CompiledTarget:
         if self.aot:
             runner = self._runners.get((R, tokens.shape[0])) or self._package(R, tokens, cache, span)
             out = tuple(runner(tokens, cache.lengths, cache.k, cache.v, span))
+            if self.shared:  # features, hidden: the head applied here
+                out = (packed_matmul(out[1], self._pk_head), *out)
         else:
             # inductor's options patched here: passed to torch.compile they skip freezing (2.13); each bucket
             # is a recompile of the engine's own code object (`_own_forward`), past dynamo's default limit of 8
@@ -554,6 +569,8 @@ class CompiledTarget:
         args = (tokens, cache.lengths, cache.k, cache.v, span)
         dynamic = (None, None, None, None, {0: blocks})
         runner, self.packages[R], self.loaded[R] = load_or_build(self.step, args, dynamic, self.options, key)
+        if self.shared:
+            share_tensors(runner, self.step, self.packages[R])
         self._runners[(R, B)] = runner
         return runner
 

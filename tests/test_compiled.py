@@ -245,11 +245,19 @@ def q4_target(seed: int = 0) -> Llama4:
 
 def test_q4_engine_runs_the_int4_kernel_and_keeps_the_bits():
     """A model with 4-bit packs compiles to graphs calling torch's int4 kernel on the packs (not the dense
-    weights): its logits match the eager 4-bit model's within bf16 rounding, and greedy speculative decoding
-    on it emits exactly plain decoding's tokens on it."""
+    weights), whose AOT packages share the model's tensors: its logits match the eager 4-bit model's within
+    bf16 rounding, and greedy speculative decoding on it emits exactly plain decoding's tokens on it."""
     target = q4_target()
     e = CompiledTarget(target, MAX_LEN, FEATURES, rows=ROWS)
     assert e.step.q4 is not None and len(e.step.q4) == 4 * len(target.model.layers)
+    e.compile()
+    # every bucket's AOT package reads the model's own tensors (one copy), not weights of its own
+    tensors = dict(e.step.named_parameters()) | dict(e.step.named_buffers())
+    assert e.shared and len(e._runners) == len(e.rows)
+    for runner in e._runners.values():
+        shared = {n: t for n, t in runner.maverick_constants.items() if n in tensors}
+        assert {n for n in tensors if n.startswith("q4")} <= set(shared)  # every 4-bit pack among them
+        assert all(t.data_ptr() == tensors[n].data_ptr() for n, t in shared.items())
     draft = make_draft(target)
     x = torch.tensor([PROMPTS[1]])
     cache = e.new_cache(1)
