@@ -7,8 +7,9 @@ does the trace once: `torch.export` captures the step, inductor compiles it with
 shared library, and `aoti_load_package` maps that library back in ~0.2 s. The call is one C++ function:
 no dynamo guards, no Python between kernels.
 
-A package holds the weights it was frozen with, so its file name is a hash of everything its code and
-numbers depend on: the weights' bytes, the step's source files, the shapes, inductor's options, torch's
+A package holds the weights it was built with (frozen into its library, or kept in its own files and
+replaced by the module's tensors when loaded, `share_tensors`), so its file name is a hash of everything
+its code and numbers depend on: the weights' bytes, the step's source files, the shapes, inductor's options, torch's
 version, the CPU (its vector ISA and model: the kernels are built for it) and the thread count (inductor
 builds it into each kernel's parallel loop). Packages are written under a temporary name and renamed, so
 an interrupted build leaves nothing half-written behind; a later engine of the same weights loads them.
@@ -47,7 +48,7 @@ def weights_digest(module: nn.Module) -> str:
     h = hashlib.blake2b(digest_size=16)
     seen: set[int] = set()
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
-        if id(t) in seen or t.is_mkldnn:  # a tied weight once; a oneDNN copy stands for a weight hashed here
+        if id(t) in seen:  # a tied weight once
             continue
         seen.add(id(t))
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())

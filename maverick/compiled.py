@@ -85,7 +85,7 @@ from torch import Tensor, nn
 
 from maverick.aot import SHARED, load_or_build, package_key, share_tensors, weights_digest
 from maverick.kv_cache import KVCache
-from maverick.linear import packed_matmul, packed_weight
+from maverick.linear import packed_linear, packed_matmul, packed_weight
 from maverick.model import Llama4, Output, _rms, apply_rope, bmm_min_rows, rope_tables
 from maverick.model import __file__ as model_source
 from maverick.q4 import GROUP, Q4Weight, group_pack, live_pack
@@ -536,7 +536,10 @@ class CompiledTarget:
             runner = self._runners.get((R, tokens.shape[0])) or self._package(R, tokens, cache, span)
             out = tuple(runner(tokens, cache.lengths, cache.k, cache.v, span))
             if self.shared:  # features, hidden: the head applied here
-                out = (packed_matmul(out[1], self._pk_head), *out)
+                out = (
+                    packed_linear(out[1], self._pk_head, None),
+                    *out,
+                )  # packed_matmul's op, called directly
         else:
             # inductor's options patched here: passed to torch.compile they skip freezing (2.13); each bucket
             # is a recompile of the engine's own code object (`_own_forward`), past dynamo's default limit of 8
