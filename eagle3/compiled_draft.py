@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from eagle3.draft import Eagle3Draft
 from eagle3.draft import __file__ as draft_source
-from maverick.aot import load_or_build, package_key, weights_digest
+from maverick.aot import load_or_build, package_key, require_cpu_engines, weights_digest
 from maverick.compiled import (
     SPAN,
     _inputs_only,
@@ -89,6 +89,7 @@ class CompiledDraft:
             raise ValueError(
                 "CompiledDraft runs on CPU; on CUDA SpecDecoder(compile_draft=True) uses CUDA graphs"
             )
+        require_cpu_engines("the compiled draft")
         use_repo_cache()
         cache_frozen_graphs()
         self.base = draft

@@ -30,7 +30,29 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from maverick.cli import UserError
+
 AOT_DIR = Path(__file__).resolve().parent.parent / ".cache" / "aoti"
+# The CPU engines (compiled.py, eagle3/compiled_draft.py) are built and tested on torch 2.13. On 2.11
+# (the lent GPUs' release, tried on this CPU) `torch.export` cannot prove the guards of the steps' dynamic
+# key span (ConstraintViolationError on `blocks`), and with torch.compile instead the buckets' graphs gave
+# rows different bits: speculative decoding's tokens left plain decoding's. So CPU engines refuse an
+# older torch (`require_cpu_engines`); CUDA engines run one bucket and do not depend on it.
+MIN_TORCH = (2, 13)
+
+
+def supported(version: str | None = None) -> bool:
+    """Whether this torch (or `version`) runs the compiled CPU engines: 2.13 or later."""
+    major, minor = (int(x) for x in (version or torch.__version__).split(".")[:2])
+    return (major, minor) >= MIN_TORCH
+
+
+def require_cpu_engines(what: str) -> None:
+    if not supported():
+        raise UserError(
+            f"{what} on CPU needs torch >= {'.'.join(map(str, MIN_TORCH))} (this is {torch.__version__}: its "
+            "graphs do not keep each row's bits); use the eager engine, or the Makefile's torch"
+        )
 
 
 def _cpu_name() -> str:

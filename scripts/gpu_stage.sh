@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One draft stage (python -m train.stage) on a lent GPU machine, which has its own PyTorch with CUDA but no
-# network, no project venv and no wheel data. See scripts/README.md for the exact calls.
+# One draft stage (python -m train.stage), and the decoding measurement (scripts/gpu_decode.py), on a lent GPU
+# machine, which has its own PyTorch with CUDA but no network, no project venv, no wheel data and no `gguf`
+# package. See scripts/README.md for the exact calls.
 #
 #   bash scripts/gpu_stage.sh pack              here (CPU): fill .stage/p1 .. .stage/pN (git-ignored) with
 #                                               the target GGUF in pieces, the `gguf` wheel and the id data,
@@ -10,6 +11,9 @@
 #   bash scripts/gpu_stage.sh run MINUTES       there: receive, check every piece, install the wheel, put
 #                                               the GGUF together, run the stage (resumes if $STAGE/out
 #                                               holds an interrupted one), pack the results into $OUT
+#   bash scripts/gpu_stage.sh decode [ARGS]     there: receive and check as `run` does (after it, on the same
+#                                               warm machine, nothing more need travel), then
+#                                               scripts/gpu_decode.py ARGS on the payload's GGUF and prompts
 #   bash scripts/gpu_stage.sh unpack DIR OUTDIR here: put the returned pieces together into OUTDIR
 #
 # Why pieces: a call carries at most 64 MiB with the repository (31 MiB tracked), the GGUF is 94 MiB; and
@@ -41,6 +45,7 @@ pack() {
     --platform manylinux2014_x86_64 -d .stage/build "gguf==$ver"
   # one stream of bytes: wheel + data + GGUF, cut into pieces that fit beside the repository
   cp "$data" .stage/build/data.jsonl.xz
+  "$py" scripts/gpu_decode.py --prepare --n 80 --prompts .stage/build/gpu_prompts.json
   cp "$gguf" ".stage/build/$GGUF_NAME"
   (cd .stage/build && sha256sum -- * > SHA256SUMS && tar -cf ../payload.tar -- *)
   local room
@@ -61,8 +66,7 @@ receive() {
   ls -la "$STAGE/in"
 }
 
-run() {
-  local minutes=${1:?minutes}
+assemble() {  # the received pieces -> $STAGE/payload (checked), the gguf wheel on PYTHONPATH
   receive
   [ -n "${OUT:-}" ] || { echo "error: \$OUT is not set (run this through the device tool)" >&2; exit 2; }
   if [ ! -f "$STAGE/payload/SHA256SUMS" ]; then
@@ -81,6 +85,11 @@ run() {
   "${DEVICE_PYTHON:-python3}" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$STAGE"/payload/gguf-*.whl
   export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt" || true
+}
+
+run() {
+  local minutes=${1:?minutes}
+  assemble
   if [ "${RUN_TESTS:-1}" = 1 ]; then  # this work's CUDA tests first (at most 2 min; RUN_TESTS=0 skips them)
     timeout 120 "${DEVICE_PYTHON:-python3}" -m pytest -q -p no:cacheprovider -m cuda tests/test_fastgen.py \
       tests/test_fastfit.py > "$OUT/cuda_tests.log" 2>&1 || true
@@ -104,6 +113,13 @@ run() {
   return "$rc"
 }
 
+decode() {  # there: tokens/s per user (scripts/gpu_decode.py) on the payload's GGUF and prompts
+  assemble
+  "${DEVICE_PYTHON:-python3}" scripts/gpu_decode.py --gguf "$STAGE/payload/$GGUF_NAME" \
+    --prompts "$STAGE/payload/gpu_prompts.json" --out "$OUT" "$@" 2>&1 | tee "$OUT/decode.log"
+  return "${PIPESTATUS[0]}"
+}
+
 unpack() {
   local from=${1:?directory with out.tar.N} to=${2:?output directory}
   mkdir -p "$to"
@@ -115,6 +131,7 @@ case "${1:-}" in
   pack) pack ;;
   receive) receive ;;
   run) shift; run "$@" ;;
+  decode) shift; decode "$@" ;;
   unpack) shift; unpack "$@" ;;
-  *) echo "usage: bash scripts/gpu_stage.sh pack | receive | run MINUTES | unpack DIR OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu_stage.sh pack | receive | run MINUTES | decode [ARGS] | unpack DIR OUTDIR" >&2; exit 2 ;;
 esac

@@ -18,7 +18,8 @@ from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.lookup import LookupConfig
 from eagle3.spec import SpecDecoder, TreeConfig
 from eagle3.tuner import DraftLengthTuner, FixedK
-from maverick.aot import load_or_build, prune
+from maverick.aot import load_or_build, prune, supported
+from maverick.cli import UserError
 from maverick.compiled import SPAN, CompiledTarget, _q4_packs, compiled_target
 from maverick.config import get_config
 from maverick.generate import Decoder
@@ -48,8 +49,26 @@ def make_draft(target: Llama4, seed: int = 1) -> Eagle3Draft:
     return d.to(torch.bfloat16).eval()
 
 
+# the CPU engines refuse a torch before 2.13 (maverick.aot.supported); the CUDA test below runs on any
+cpu_engines = pytest.mark.skipif(not supported(), reason=f"CPU engines refuse torch {torch.__version__}")
+
+
+def test_cpu_engines_refuse_a_torch_that_breaks_their_bits(monkeypatch):
+    """torch 2.11 (tried) cannot export the CPU steps, and its torch.compile graphs gave rows different bits
+    in different buckets: the CPU engines refuse any torch before 2.13, naming the version."""
+    assert supported("2.13.0+cpu") and supported("2.14.1") and supported("3.0.0")
+    assert not supported("2.11.0+cu130") and not supported("2.12.1")
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    with pytest.raises(UserError, match=r"needs torch >= 2.13 \(this is 2.11.0\+cu130"):
+        CompiledTarget(make_target(), MAX_LEN, FEATURES, rows=ROWS)
+    with pytest.raises(UserError, match="the compiled draft on CPU needs torch >= 2.13"):
+        CompiledDraft(make_draft(make_target()), MAX_LEN)
+
+
 @pytest.fixture(scope="module")
 def engine() -> CompiledTarget:
+    if not supported():
+        pytest.skip(f"CPU engines refuse torch {torch.__version__}")
     e = CompiledTarget(make_target(), MAX_LEN, FEATURES, rows=ROWS)
     e.compile()
     return e
@@ -88,6 +107,7 @@ def _own_logits(engines: list[CompiledTarget]) -> None:
         assert (outs[0] - got).abs().max() > 0.2 * outs[0].abs().max()
 
 
+@cpu_engines
 def test_engines_of_one_shape_run_their_own_graphs():
     """torch.compile (the CUDA path; CPU with aot=False): each engine compiles its own copy of the step's code
     and drops dynamo's guards on its module tree, so a second engine of the same shape (other weights) in the
@@ -243,6 +263,7 @@ def q4_target(seed: int = 0) -> Llama4:
     return t
 
 
+@cpu_engines
 def test_q4_engine_runs_the_int4_kernel_and_keeps_the_bits():
     """A model with 4-bit packs compiles to graphs calling torch's int4 kernel on the packs (not the dense
     weights), whose AOT packages share the model's tensors: its logits match the eager 4-bit model's within
@@ -349,6 +370,7 @@ def test_compiled_draft_matches_the_eager_draft(engine):
     assert again.loaded and again.package == comp.package
 
 
+@cpu_engines
 def test_compiled_draft_rows_of_other_lengths():
     """Two rows whose caches hold different lengths (a batch after a verify that accepted more in one row):
     each row's compiled draft state matches the eager draft's."""
@@ -437,6 +459,7 @@ def test_cuda_graph_engine_keeps_the_bits():
 
 
 @pytest.mark.slow
+@cpu_engines
 def test_real_target_compiled_keeps_tokens():
     """SmolLM2-135M-Instruct bf16 and the shipped draft on two MT-bench prompts, 96 tokens: speculative
     decoding (tuned k + prompt lookup) on the compiled engine emits exactly plain decoding's tokens on it;
