@@ -84,7 +84,8 @@ assemble() {  # the received pieces -> $STAGE/payload (checked), the gguf wheel 
   fi
   "${DEVICE_PYTHON:-python3}" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$STAGE"/payload/gguf-*.whl
   export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt" || true
+  # the GPU's name goes into the logs, not a file of its own: $OUT returns at most 8 files (run: 3 + 4 pieces)
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
 }
 
 run() {
