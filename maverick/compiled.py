@@ -11,20 +11,21 @@ difference: 6.72 against 6.60 ms a step). On CUDA the same graphs are replayed a
 (`triton.cudagraphs`, what `mode="reduce-overhead"` sets). Long calls (prefill) and tree verifies run on
 the eager model.
 
-How a step is compiled. On CPU (`aot`, the default there) each bucket is an AOTInductor package
-(maverick/aot.py): exported once, compiled with its weights frozen, kept on disk under a hash of the
-weights, shapes, options and this file's and model.py's source, and loaded by a later engine without
-tracing anything. A dense engine's packages are frozen: each holds its own packed copy of the weights
-(331 MB a SmolLM2 bucket, in memory too). A 4-bit engine's are not: their weights are kept apart from the
-code, and once loaded every bucket reads the model's own tensors (`maverick.aot.share_tensors`); the head
-(oneDNN-packed, which a package cannot take as a shared tensor) runs after the graph. SmolLM2 (AMD EPYC
-Zen 4, 2 threads): the 4-bit engine's six buckets build in 241 s and load in 2.5 s (21.5 s from
-inductor's caches under torch.compile), adding 430 MB to the process (1.5 GB with a copy per bucket);
-the dense engine's five build in 224 s and load in 5.4 s (87.7 s). The 4-bit packages' logits have the
-torch.compile graphs' bits in every bucket (measured on SmolLM2), and a step is no slower (5.1 ms for 1
-row, 24.5 for 24, against 6.2 and 26.6 under torch.compile in an earlier run). Elsewhere (CUDA, or
-aot=False) `torch.compile` traces the step in every process and takes its compiled graphs from inductor's
-FX graph cache.
+How a step is compiled. On CPU (`aot`, the default there) the buckets are AOTInductor packages
+(maverick/aot.py): exported once, compiled, kept on disk under a hash of the weights, shapes, options and
+this file's and model.py's source, and loaded by a later engine without tracing anything. Every bucket of
+2 rows or more runs one package whose row count is a dynamic dimension (`package_rows`; a 1-row bucket,
+the 4-bit engine's decode step, has its own): each bucket gets the bits of a package built for it alone
+(tested; measured on SmolLM2 bf16 and 4-bit) within 3% of its step time, for one build and one copy of
+the weights instead of one per bucket. A dense engine's package is frozen: it holds its own oneDNN-packed
+copy of the weights (331 MB for SmolLM2). A 4-bit engine's are not: their weights are kept apart from the
+code, and once loaded every package reads the model's own tensors (`maverick.aot.share_tensors`); the
+head (oneDNN-packed, which a package cannot take as a shared tensor) runs after the graph. SmolLM2 (AMD
+EPYC Zen 4, 2 threads): the dense engine (five buckets) builds in 69 s and loads in 2.8 s, adding 684 MB
+to the process; the 4-bit one (six buckets, two packages) builds in 91 s and loads in 2.3 s, adding 211
+MB (with a package per bucket: 224-229 s and 228-254 s to build, 430 MB added by the 4-bit engine, 87.7
+and 21.5 s to load under torch.compile). Elsewhere (CUDA, or aot=False) `torch.compile` traces the step
+in every process and takes its compiled graphs from inductor's FX graph cache.
 
 Where a step's time goes (4-bit SmolLM2, decode at a 300-token context, 6.6 ms, torch.profiler, AMD EPYC
 Zen 4, 2 threads): the int4 linears 37%, the head (oneDNN bf16) 18%, the graph's fused kernels and its
@@ -104,6 +105,7 @@ CACHE_DIR = Path(__file__).resolve().parent.parent / ".cache" / "inductor"
 # to compile (~50-70 s on 2 cores)
 DEFAULT_ROWS = (2, 4, 8, 12, 24)
 SPAN = 64  # a call attends to the slots in use rounded up to a multiple of this (a dynamic dimension)
+MIN_DYNAMIC_ROWS = 2  # AOT: the buckets from this many rows up share one package of a dynamic row count
 SLOTS_ROUND = 1024  # an engine's cache holds a multiple of this many slots
 
 
@@ -414,8 +416,8 @@ class CompiledTarget:
         self.options = options
         self._runners: dict[tuple[int, int], Callable] = {}  # AOT: (bucket, batch) -> loaded package
         self._weights: str | None = None  # AOT: weights_digest of the step, taken at the first package
-        self.packages: dict[int, Path] = {}  # AOT: bucket -> its package file
-        self.loaded: dict[int, bool] = {}  # AOT: bucket -> whether its package came from disk
+        self.packages: dict[int, Path] = {}  # AOT: bucket -> the package file it runs
+        self.loaded: dict[int, bool] = {}  # AOT: bucket -> whether that package came from disk
         self._fn = torch.compile(
             _own_forward(self.step), dynamic=False, fullgraph=True, options={"guard_filter_fn": _inputs_only}
         )
@@ -560,17 +562,34 @@ class CompiledTarget:
             self.compile_seconds[R] = time.perf_counter() - t0
         return out
 
+    def package_rows(self, R: int) -> tuple[int, int]:
+        """The row counts (least, most) of the AOT package that runs bucket R: one package with a dynamic row
+        count serves every bucket of 2 rows or more (a dimension of 1 would be specialised), so the buckets
+        share one build and one copy of a dense model's frozen weights; a 1-row bucket has its own."""
+        many = [r for r in self.rows if r >= MIN_DYNAMIC_ROWS]
+        return (many[0], many[-1]) if R >= MIN_DYNAMIC_ROWS and len(many) > 1 else (R, R)
+
     def _package(self, R: int, tokens: Tensor, cache: KVCache, span: Tensor) -> Callable:
         """Bucket R's AOTInductor package for this batch size (maverick/aot.py): loaded from disk when this
-        engine's weights, shapes, options and source were compiled before, else exported and compiled."""
+        engine's weights, shapes, options and source were compiled before, else exported and compiled. Its
+        rows are `package_rows(R)`: measured on SmolLM2 (bf16 and 4-bit), the dynamic package gives every
+        bucket the bits of a package built for that bucket alone, within 3% of its step time."""
         if self._weights is None:
             self._weights = weights_digest(self.step)
         B = tokens.shape[0]
+        lo, hi = self.package_rows(R)
+        same = next(
+            (r for r in self.rows if (r, B) in self._runners and self.package_rows(r) == (lo, hi)), None
+        )
+        if same is not None:  # another bucket's package: the same one
+            self.packages[R], self.loaded[R] = self.packages[same], self.loaded[same]
+            self._runners[(R, B)] = self._runners[(same, B)]
+            return self._runners[(R, B)]
         key = package_key(
             self._weights,
             (__file__, model_source),
             engine="target",
-            rows=R,
+            rows=(lo, hi),
             batch=B,
             slots=self.slots,
             features=self.feature_layers,
@@ -578,8 +597,9 @@ class CompiledTarget:
             options=self.options,
         )
         blocks = torch.export.Dim("blocks", min=2, max=self.slots // SPAN)
+        rows = {1: torch.export.Dim("rows", min=lo, max=hi)} if hi > lo else None
         args = (tokens, cache.lengths, cache.k, cache.v, span)
-        dynamic = (None, None, None, None, {0: blocks})
+        dynamic = (rows, None, None, None, {0: blocks})
         runner, self.packages[R], self.loaded[R] = load_or_build(self.step, args, dynamic, self.options, key)
         if self.shared:
             share_tensors(runner, self.step, self.packages[R])

@@ -133,6 +133,7 @@ def test_aot_packages_are_named_by_their_weights(engine):
     and source: an engine of the same weights (another module) loads every bucket from disk and gives the
     first engine's bits; an engine of other weights has packages of its own and its own model's logits."""
     assert engine.aot and set(engine.packages) == set(engine.rows)
+    assert len({engine.packages[r] for r in engine.rows if r >= 2}) == 1  # one package of dynamic rows
     same = CompiledTarget(make_target(), MAX_LEN, FEATURES, rows=ROWS)
     same.compile()
     assert same.packages == engine.packages and all(same.loaded.values())
@@ -147,6 +148,34 @@ def test_aot_packages_are_named_by_their_weights(engine):
     other.compile()
     assert not set(other.packages.values()) & set(engine.packages.values())
     _own_logits([engine, other])
+
+
+@cpu_engines
+@pytest.mark.parametrize("q4", [False, True])
+def test_buckets_share_one_package_with_the_bits_of_their_own(q4, monkeypatch):
+    """The buckets of 2 rows and more run one AOT package of a dynamic row count (a 1-row bucket its own):
+    every bucket's logits, features and cache writes have the bits of a package built for that bucket
+    alone, dense (frozen weights: one copy instead of one per bucket) and 4-bit (the model's tensors)."""
+    make = q4_target if q4 else make_target
+    e = CompiledTarget(make(), MAX_LEN, FEATURES, rows=(4, 8))
+    e.compile()
+    many = [r for r in e.rows if r >= 2]
+    assert len(many) >= 2 and len({e.packages[r] for r in many}) == 1
+    assert len({id(e._runners[(r, 1)]) for r in many}) == 1
+    assert all(e.packages[r] != e.packages[many[0]] for r in e.rows if r < 2)
+    monkeypatch.setattr(CompiledTarget, "package_rows", lambda self, R: (R, R))
+    alone = CompiledTarget(make(), MAX_LEN, FEATURES, rows=(4, 8))
+    alone.compile()
+    assert len({alone.packages[r] for r in many}) == len(many)
+    x = torch.tensor([PROMPTS[1]])
+    for R in many:
+        outs = []
+        for eng in (e, alone):
+            cache = eng.new_cache(1)
+            eng(x[:, :8], cache)
+            out = eng(x[:, 8 : 8 + R], cache, feature_layers=FEATURES)
+            outs.append((out.logits, out.features, cache.k[:, :, :, : 8 + R].clone()))
+        assert all(torch.equal(a, b) for a, b in zip(*outs)), f"bucket {R}"
 
 
 def test_an_interrupted_package_build_leaves_nothing(tmp_path, monkeypatch):
