@@ -63,9 +63,27 @@ def _load_tokenizer_cached(path: str):
         raise RuntimeError(f"could not build a tokenizer from the {what} {p}: {exc}") from exc
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"the {what} {p} carries no chat template (tokenizer.chat_template)")
+    if not p.is_dir():
+        set_eos(tokenizer, gguf_eos_id(p))
     if tokenizer.eos_token_id is None:
         raise ValueError(f"the {what} {p} defines no eos token")
     return tokenizer
+
+
+def gguf_eos_id(path: pathlib.Path) -> int | None:
+    """The eos token id a GGUF file's metadata names (`tokenizer.ggml.eos_token_id`)."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(path, "r").fields.get("tokenizer.ggml.eos_token_id")
+    return None if field is None else int(field.contents())
+
+
+def set_eos(tokenizer, eos_id: int | None) -> None:
+    """Make the tokenizer's eos the file's own. transformers 5.17 (the lent GPUs' release) builds
+    SmolLM2's GGUF tokenizer with eos `<|im_start|>` (id 1) where the file says `<|im_end|>` (id 2; 5.25
+    reads it right): answers would end with the wrong id and loss masks would reach past each turn."""
+    if eos_id is not None and tokenizer.eos_token_id != eos_id:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
 
 
 def render_chat_text(tokenizer, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool) -> str:

