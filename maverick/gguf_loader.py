@@ -407,6 +407,11 @@ def _metadata(reader: GGUFReader) -> tuple[dict[str, Any], int | None]:
     return meta, n_tokens
 
 
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """A GGUF file's scalar metadata (no tensors read), with `_open`'s checks of the file."""
+    return _metadata(_open(Path(path)))[0]
+
+
 def _check_rope_freqs(factors: Tensor, config: dict, path: Path) -> None:
     """`rope_freqs` holds llama3 RoPE factors but not the parameters behind them: accept it only when
     `rope_scaling` (from metadata or the caller) reproduces them, so the tensor is used, not ignored."""

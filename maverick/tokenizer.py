@@ -25,7 +25,7 @@ import functools
 import pathlib
 from collections.abc import Mapping, Sequence
 
-from maverick.gguf_loader import default_gguf_path
+from maverick.gguf_loader import default_gguf_path, read_metadata
 
 
 def load_tokenizer(path: str | pathlib.Path | None = None):
@@ -72,10 +72,8 @@ def _load_tokenizer_cached(path: str):
 
 def gguf_eos_id(path: pathlib.Path) -> int | None:
     """The eos token id a GGUF file's metadata names (`tokenizer.ggml.eos_token_id`)."""
-    from gguf import GGUFReader
-
-    field = GGUFReader(path, "r").fields.get("tokenizer.ggml.eos_token_id")
-    return None if field is None else int(field.contents())
+    eos = read_metadata(path).get("tokenizer.ggml.eos_token_id")
+    return None if eos is None else int(eos)
 
 
 def set_eos(tokenizer, eos_id: int | None) -> None:
