@@ -66,6 +66,12 @@ class DraftConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     max_position_embeddings: int = 8192
+    # Norm variants (config.json keys as vLLM's llama_eagle3 reads them; all False: the EAGLE-3 draft).
+    # EAGLE-3.1 is fc_norm + norm_output (train with --eagle-3.1). See `NORM_VARIANTS` for which engines load them.
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated features before fc (`input_norm`)
+    fc_norm: bool = False  # an RMSNorm on each aux-layer feature before fc (`fc_norm.{i}`)
+    norm_output: bool = False  # the state carried to the next draft step is norm(h), not h
+    norm_before_residual: bool = False  # the layer's residual is hidden_norm(hidden), not hidden
     extra: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -147,11 +153,27 @@ class DraftConfig:
         if kw.get("rope_scaling") is None and rp.get("rope_type", "default") != "default":
             kw["rope_scaling"] = rp
         kw["feature_layers"] = feature_layers_from_hf(d, source)
+        nested = d.get("eagle_config") or {}
+        for key in NORM_VARIANTS:
+            # vLLM lets eagle_config.norm_before_fc (NVIDIA's checkpoints) win over the top-level key
+            where, value = (f"eagle_config.{key}", nested[key]) if key in nested else (key, d.get(key, False))
+            if type(value) is not bool:
+                raise UserError(f"{source}: {where} must be true or false, got {value!r}")
+            kw[key] = value
         extra = {k: v for k, v in d.items() if k not in names and k not in _DERIVED}
         return cls(**kw, extra=extra)
 
 
 VLLM_AUX_KEY = "eagle_aux_hidden_state_layer_ids"
+
+# The norm variants of `DraftConfig`. Which engines load a draft that sets one (read from their code, 2026-12):
+# - vLLM's llama_eagle3 (main branch) reads all four, weights `input_norm.weight` and `fc_norm.{i}.weight`.
+#   Older releases that read only norm_before_residual raise on those tensors (a draft with fc_norm or
+#   norm_before_fc) and ignore norm_output, which has no tensor of its own: such a draft runs wrong there.
+# - SGLang's llama_eagle3 reads none of them and skips tensors it does not know: it would serve such a
+#   draft without its norms, with no error and a collapsed acceptance.
+# Serve a draft that sets any of them with this project or a current vLLM; an all-false draft loads everywhere.
+NORM_VARIANTS = ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual")
 
 
 def feature_layers_from_hf(d: dict, source: str = "config.json") -> tuple[int, ...]:
@@ -258,7 +280,12 @@ class Eagle3Draft(nn.Module):
     def __init__(self, c: DraftConfig):
         super().__init__()
         self.config = c
-        self.fc = Linear(len(c.feature_layers) * c.target_hidden_size, c.hidden_size, bias=False)
+        n, Ht = len(c.feature_layers), c.target_hidden_size
+        if c.norm_before_fc:
+            self.input_norm = RMSNorm(n * Ht, c.rms_norm_eps)
+        if c.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(Ht, c.rms_norm_eps) for _ in range(n))
+        self.fc = Linear(n * Ht, c.hidden_size, bias=False)
         self.midlayer = MidLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = Linear(c.hidden_size, c.draft_vocab_size, bias=False)
@@ -292,8 +319,16 @@ class Eagle3Draft(nn.Module):
         )
 
     def project(self, features: Tensor) -> Tensor:
-        """Target features [.., n*H_target] -> draft hidden [.., H]."""
-        return self.fc(features.to(self.fc.weight.dtype))
+        """Target features [.., n*H_target] -> draft hidden [.., H]; the norm variants normalise the whole
+        concatenation (norm_before_fc), then each aux layer's part (fc_norm), in vLLM's order."""
+        x = features.to(self.fc.weight.dtype)
+        if self.config.norm_before_fc:
+            x = self.input_norm(x)
+        if self.config.fc_norm:
+            x = torch.cat(
+                [norm(part) for norm, part in zip(self.fc_norm, x.chunk(len(self.fc_norm), -1))], -1
+            )
+        return self.fc(x)
 
     def forward(
         self,
@@ -308,7 +343,8 @@ class Eagle3Draft(nn.Module):
         features or previous draft output), positions [B, T]. With a cache, keys go to cache slots
         lengths + arange(T) and the cache advances. `mask` [B, 1, T, S] overrides the attention mask
         (training-time test); `tree_mask` [B or 1, T, T] restricts which new tokens see which.
-        Returns the layer output h [B, T, H] (before `norm`); logits come from `logits(h)`."""
+        Returns the state h [B, T, H] that the next draft step reads: the layer output before `norm` (after
+        it with norm_output); logits come from `logits(h)`."""
         T = hidden.shape[1]
         if positions is None:  # continue from the cache's committed length
             positions = cache.lengths[:, None] + torch.arange(T, device=hidden.device)
@@ -334,13 +370,16 @@ class Eagle3Draft(nn.Module):
         return torch.cat((m.input_layernorm(embeds.to(hidden.dtype)), m.hidden_norm(hidden)), dim=-1)
 
     def finish(self, hidden: Tensor, attn_out: Tensor) -> Tensor:
-        """Residual on the hidden state, then the MLP block."""
-        h = hidden + attn_out
-        return h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
+        """Residual on the hidden state (on hidden_norm of it with norm_before_residual), then the MLP
+        block; with norm_output, `norm` of the result."""
+        m, c = self.midlayer, self.config
+        h = (m.hidden_norm(hidden) if c.norm_before_residual else hidden) + attn_out
+        h = h + m.mlp(m.post_attention_layernorm(h))
+        return self.norm(h) if c.norm_output else h
 
     def logits(self, h: Tensor) -> Tensor:
-        """Draft-vocab logits [.., V']."""
-        return self.lm_head(self.norm(h))
+        """Draft-vocab logits [.., V'] of a state from `forward` / `finish` (already normed with norm_output)."""
+        return self.lm_head(h if self.config.norm_output else self.norm(h))
 
 
 # ---- the released EAGLE-3 checkpoint format ----
@@ -381,6 +420,13 @@ def load_draft(
     for f in files:
         tensors = read_safetensors(f)
         unknown = sorted(k for k in tensors if k not in expected and k not in _OPTIONAL_KEYS)
+        variant = {k.split(".")[0] for k in unknown} & {"input_norm", "fc_norm"}
+        if variant:
+            flags = sorted("norm_before_fc" if v == "input_norm" else v for v in variant)
+            raise UserError(
+                f"{f}: tensor(s) {unknown[:5]} belong to the norm variant(s) {flags}, which {cfg_file} does "
+                f"not set: set them true there (a trainer that wrote the weights but not the flags?)"
+            )
         if unknown:
             raise UserError(
                 f"{f}: tensor(s) {unknown[:5]} are not part of an EAGLE-3 draft; vLLM loads every *.safetensors "

@@ -26,8 +26,9 @@ from maverick.linear import Linear, fused_linear, short_linear
 
 def init_weights(module: nn.Module, std: float = 0.02, generator: torch.Generator | None = None) -> None:
     """Random init for tests and fresh drafts: norms at 1, every other parameter N(0, std)."""
+    norms = {id(m.weight) for m in module.modules() if isinstance(m, RMSNorm)}  # a draft's fc_norm.{i} too
     for name, p in module.named_parameters():
-        if name.endswith("norm.weight"):
+        if name.endswith("norm.weight") or id(p) in norms:
             nn.init.ones_(p)
         else:
             nn.init.normal_(p, std=std, generator=generator)

@@ -39,9 +39,9 @@ def make_target(seed: int = 0) -> Llama4:
     return t.to(torch.bfloat16).eval()
 
 
-def make_draft(target: Llama4, seed: int = 1) -> Eagle3Draft:
+def make_draft(target: Llama4, seed: int = 1, **variant) -> Eagle3Draft:
     c = target.config
-    dc = DraftConfig.for_target(c, draft_vocab_size=c.vocab_size, feature_layers=FEATURES)
+    dc = DraftConfig.for_target(c, draft_vocab_size=c.vocab_size, feature_layers=FEATURES, **variant)
     torch.manual_seed(seed)
     d = Eagle3Draft(dc)
     d.init_weights(std=0.1)
@@ -397,6 +397,28 @@ def test_compiled_draft_matches_the_eager_draft(engine):
         outs += [d(emb, hid, None, cache=cache) for T, emb, hid in calls[:3]]
     assert all(torch.equal(a, b) for a, b in zip(outs[:3], outs[3:]))
     assert again.loaded and again.package == comp.package
+
+
+@cpu_engines
+def test_compiled_eagle31_draft_matches_the_eager_draft():
+    """An EAGLE-3.1 draft (fc_norm, norm_output) compiles with its norms: its states are the eager draft's
+    within bf16 rounding, and they are not those of the same weights without the output norm."""
+    draft = make_draft(make_target(), fc_norm=True, norm_output=True)
+    comp = CompiledDraft(draft, MAX_LEN, max_rows=8)
+    H = draft.config.hidden_size
+    g = torch.Generator().manual_seed(13)
+    ce, cc = draft.new_cache(1, MAX_LEN), comp.new_cache(1, MAX_LEN)
+    for T in (12, 1, 3):
+        emb, feats = (
+            torch.randn(1, T, H, generator=g).bfloat16(),
+            torch.randn(1, T, 3 * H, generator=g).bfloat16(),
+        )
+        hid = draft.project(feats)
+        pos = ce.lengths[:, None].clone() if T == 1 else None
+        want, got = draft(emb, hid, pos, cache=ce), comp(emb, hid, pos, cache=cc)
+        assert (got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max(), f"T={T}"
+    rms = got.float().pow(2).mean(-1).sqrt()  # norm(h) with norm weights at 1: unit RMS per position
+    assert torch.allclose(rms, torch.ones_like(rms), atol=0.02)
 
 
 @cpu_engines

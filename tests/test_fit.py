@@ -301,6 +301,43 @@ def test_init_draft_continues_from_saved_weights(tiny, tmp_path):
     assert not torch.equal(d["lm_head.weight"], a["lm_head.weight"])
 
 
+def test_eagle31_carries_an_eagle3_draft_and_keeps_its_norms(tiny, tmp_path):
+    """--eagle-3.1 from an EAGLE-3 draft: with lr 0 the run ends with that draft's weights plus the two new
+    norms at 1 (fc_norm on each aux feature, norm_output: no tensor of its own), and it learns from there.
+    A run continued from the EAGLE-3.1 draft without the flag stays EAGLE-3.1; a checkpoint does not resume
+    with the flag changed."""
+    run(tiny, tmp_path / "a", steps=10)
+    run(tiny, tmp_path / "b", steps=2, lr=0.0, eagle31=True, init_draft=str(tmp_path / "a" / "draft"))
+    a, b = draft_weights(tmp_path / "a"), draft_weights(tmp_path / "b")
+    assert set(b) - set(a) == {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"}
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(b[f"fc_norm.{i}.weight"], torch.ones(64)) for i in range(3))
+    cfg = load_draft(tmp_path / "b" / "draft").config
+    assert cfg.fc_norm and cfg.norm_output and not cfg.norm_before_fc
+
+    run(
+        tiny,
+        tmp_path / "c",
+        steps=8,
+        eagle31=True,
+        init_draft=str(tmp_path / "a" / "draft"),
+        checkpoint_every=4,
+    )
+    losses = [r["loss"] for r in records(tmp_path / "c")]
+    assert losses[-1] < losses[0]
+    run(tiny, tmp_path / "d", steps=1, lr=0.0, init_draft=str(tmp_path / "c" / "draft"))
+    assert load_draft(tmp_path / "d" / "draft").config.fc_norm
+    with pytest.raises(ValueError, match=r"different settings.*'eagle31': \(True, False\)"):
+        run(
+            tiny,
+            tmp_path / "c",
+            steps=10,
+            checkpoint_every=4,
+            init_draft=str(tmp_path / "a" / "draft"),
+            resume="auto",
+        )
+
+
 def test_online_equals_dumps(tiny, tmp_path):
     online = OnlineDataset(tiny["model"], tiny["samples"], LAYERS, batch_tokens=1)
     run(tiny, tmp_path / "dumps", steps=3)

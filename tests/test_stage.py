@@ -162,3 +162,65 @@ def test_interrupted_training_resumes_from_its_checkpoint(tmp_path, monkeypatch)
     assert (tr["steps"], tr["steps_this_run"]) == (6, 2) and s["phases"]["regen"]["conversations"] == 5
     assert [json.loads(x)["step"] for x in (out / "train_log.jsonl").read_text().splitlines()] == [2, 4, 6]
     assert not (out / "train_state.pt").exists()
+
+
+def test_eagle31_stage_carries_an_eagle3_draft(tmp_path):
+    """--eagle-3.1 with an EAGLE-3 --init-draft: the stage's draft has that draft's weights (no steps) plus
+    fc_norm at 1 and norm_output, stage.json names the variants, and both drafts are scored."""
+    from safetensors.torch import load_file
+
+    from eagle3.draft import load_draft
+
+    torch.set_num_threads(1)
+    target, data = make_data(tmp_path)
+    s1, s2 = tmp_path / "s1", tmp_path / "s2"
+    run(target, data, s1, "--max-conversations", "3", "--max-steps", "2")
+    s = run(
+        target,
+        data,
+        s2,
+        "--init-draft",
+        str(s1),
+        "--eagle-3.1",
+        "--max-conversations",
+        "1",
+        "--max-steps",
+        "0",
+    )
+    a, b = (load_file(str(p / "draft" / "model.safetensors")) for p in (s1, s2))
+    assert set(b) - set(a) == {f"fc_norm.{i}.weight" for i in range(3)}
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(bool((b[f"fc_norm.{i}.weight"] == 1).all()) for i in range(3))
+    cfg = load_draft(s2 / "draft").config
+    assert cfg.fc_norm and cfg.norm_output
+    assert s["phases"]["train"]["norm_variants"] == ["fc_norm", "norm_output"]
+    assert set(s["phases"]["score"]["drafts"]) == {"init", "new"}
+
+
+def test_training_does_not_resume_with_the_variant_changed(tmp_path, monkeypatch):
+    import train.stage as stage
+
+    torch.set_num_threads(1)
+    target, data = make_data(tmp_path)
+    out = tmp_path / "o"
+    real, calls = stage.dense_step_sums, []
+
+    def crash_on_third(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("killed")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(stage, "dense_step_sums", crash_on_third)
+    with pytest.raises(RuntimeError, match="killed"):
+        run(target, data, out, "--checkpoint-seconds", "0", "--max-conversations", "3", "--eagle-3.1")
+    monkeypatch.setattr(stage, "dense_step_sums", real)
+    with pytest.raises(
+        stage.StageError, match=r"train_state.pt: its draft has the tensors \['fc_norm.0.weight'"
+    ):
+        run(target, data, out, "--checkpoint-seconds", "0")
+    s = run(target, data, out, "--checkpoint-seconds", "0", "--eagle-3.1")
+    assert s["phases"]["train"]["steps"] == 6 and s["phases"]["train"]["norm_variants"] == [
+        "fc_norm",
+        "norm_output",
+    ]

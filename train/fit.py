@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from eagle3.draft import DraftConfig, Eagle3Draft, load_draft, save_draft
+from eagle3.draft import NORM_VARIANTS, DraftConfig, Eagle3Draft, load_draft, read_json, save_draft
 from maverick.checkpoint import atomic_dir
 from maverick.cli import UserError, positive_int, run_cli
 from maverick.config import Llama4Config
@@ -76,7 +76,8 @@ STATE_FILE = "training_state.pt"
 LOG_FILE = "train_log.jsonl"
 # settings a resumed run must share with the run it continues (the rest may change: logging, stops)
 RESUME_KEYS = ("steps", "batch_size", "grad_accum", "lr", "warmup", "min_lr_ratio", "weight_decay",
-               "grad_clip", "ttt_steps", "decay", "seed", "bf16", "group_by_length", "max_length", "fp8")  # fmt: skip
+               "grad_clip", "ttt_steps", "decay", "seed", "bf16", "group_by_length", "max_length", "fp8",
+               "eagle31")  # fmt: skip
 
 
 @dataclass
@@ -110,6 +111,7 @@ class FitConfig:
     fp8: bool = False
     init_std: float = 0.02
     init_draft: str | None = None  # start from this draft (same target, features and vocabulary)
+    eagle31: bool = False  # EAGLE-3.1's norms: one on each aux-layer feature before fc, one on the output
     progress: bool = True
     cpu: bool = False  # train on the CPU even when a GPU is present
     # online mode (no dumps): data and target options as in train/dump.py
@@ -453,8 +455,12 @@ def _make_accelerator(cfg: FitConfig):
 def build_draft(
     target_cfg: Llama4Config, d2t: Tensor, t2d: Tensor, feature_layers, cfg: FitConfig
 ) -> Eagle3Draft:
+    variants = dict(EAGLE31) if cfg.eagle31 else {}
+    if cfg.init_draft:  # the saved draft's norm variants stay (--eagle-3.1 may add to them)
+        src = DraftConfig.from_hf_dict(read_json(Path(cfg.init_draft) / "config.json"))
+        variants |= {k: True for k in NORM_VARIANTS if getattr(src, k)}
     dcfg = DraftConfig.for_target(
-        target_cfg, draft_vocab_size=int(d2t.numel()), feature_layers=feature_layers
+        target_cfg, draft_vocab_size=int(d2t.numel()), feature_layers=feature_layers, **variants
     )
     draft = Eagle3Draft(dcfg)
     draft.init_weights(std=cfg.init_std, generator=torch.Generator().manual_seed(cfg.seed))
@@ -469,10 +475,15 @@ def build_draft(
     return draft
 
 
+EAGLE31 = {"fc_norm": True, "norm_output": True}  # the DraftConfig fields of EAGLE-3.1's two norms
+
+
 def init_from_draft(draft: Eagle3Draft, path: str) -> None:
-    """Copy the weights of a saved draft (continued training on more data). Its configuration must be the
-    one this run builds; its vocabulary may differ: lm_head rows of tokens in both vocabularies are carried
-    over, the others keep their fresh initialisation (a new dataset selects a new vocabulary)."""
+    """Copy the weights of a saved draft (continued training on more data). Its shapes and features must be
+    the ones this run builds; its vocabulary may differ: lm_head rows of tokens in both vocabularies are
+    carried over, the others keep their fresh initialisation (a new dataset selects a new vocabulary). Its
+    norm variants may differ too (an EAGLE-3 draft carried into an EAGLE-3.1 one): norms that only this
+    draft has start at 1, norms that only the saved one has are dropped, and the log names both."""
     src = load_draft(path)
     for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                  "head_dim", "vocab_size", "draft_vocab_size", "target_hidden_size", "feature_layers"):  # fmt: skip
@@ -481,7 +492,12 @@ def init_from_draft(draft: Eagle3Draft, path: str) -> None:
             raise ValueError(f"{path}: draft config {name}={theirs!r}, this run needs {mine!r}")
     dev = draft.d2t.device
     state = {k: v.to(dev) for k, v in src.state_dict().items() if k not in ("d2t", "t2d", "lm_head.weight")}
-    draft.load_state_dict(state, strict=False)
+    mine = set(draft.state_dict()) - {"d2t", "t2d", "lm_head.weight"}
+    fresh, dropped = sorted(mine - set(state)), sorted(set(state) - mine)
+    if fresh or dropped:
+        log.info("%s: its norm variants differ from this draft's: starting at 1 %s; dropped %s",
+                 path, fresh, dropped)  # fmt: skip
+    draft.load_state_dict({k: v for k, v in state.items() if k in mine}, strict=False)
     with torch.no_grad():
         src_row = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)  # target id -> row of src
         src_row[src.draft_to_target_ids.cpu()] = torch.arange(src.config.draft_vocab_size)
@@ -557,7 +573,9 @@ class _Run:
         """Load a checkpoint (before `accelerate.prepare`); returns its step."""
         state = torch.load(ck / STATE_FILE, map_location="cpu", weights_only=True)
         saved = state["config"]
-        diff = {k: (saved.get(k), v) for k, v in self.cfg.resume_view().items() if saved.get(k) != v}
+        # a key newer than the checkpoint reads as its default (a run saved before `eagle31` existed had none)
+        was = {k: saved.get(k, FitConfig.__dataclass_fields__[k].default) for k in RESUME_KEYS}
+        diff = {k: (was[k], v) for k, v in self.cfg.resume_view().items() if was[k] != v}
         if diff:
             raise UserError(f"{ck / STATE_FILE}: cannot resume with different settings (saved, now): {diff}")
         if (
@@ -866,6 +884,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--fp8", action="store_true", help="FP8 (maverick.fp8) for the draft's linears except lm_head"
     )
     p.add_argument("--init-std", type=float, default=0.02)
+    p.add_argument("--eagle-3.1", dest="eagle31", action="store_true",
+                   help="EAGLE-3.1's norms (each aux-layer feature before fc, the output): a current vLLM "
+                   "serves such a draft, SGLang does not (eagle3/draft.py NORM_VARIANTS)")  # fmt: skip
     p.add_argument("--init-draft", default=None,
                    help="start from this saved draft (same features and vocabulary) instead of random weights")  # fmt: skip
     p.add_argument(
@@ -895,7 +916,7 @@ def config_from_args(args: argparse.Namespace) -> FitConfig:
         group_by_length=not args.no_group_by_length, max_length=args.max_length if args.dumps else None,
         checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints, log_every=args.log_every,
         tracker=args.tracker, resume=args.resume, stop_after=args.stop_after, eval_dumps=args.eval_dumps,
-        eval_every=args.eval_every, fp8=args.fp8, init_std=args.init_std, init_draft=args.init_draft, progress=not args.no_progress, cpu=args.cpu,
+        eval_every=args.eval_every, fp8=args.fp8, init_std=args.init_std, init_draft=args.init_draft, eagle31=args.eagle31, progress=not args.no_progress, cpu=args.cpu,
         draft_vocab_size=args.draft_vocab_size, target_dtype=args.target_dtype,
         online_args={k: getattr(args, k) for k in online_keys} | {"max_length": args.max_length or 1024} if args.online else None,
         overwrite=args.overwrite, verify_dumps=not args.no_verify_dumps,

@@ -12,6 +12,7 @@ On whatever device it finds (the GPU when there is one), within --minutes of wal
 2. train (`train.fastfit`, until the budget less --score-share): from --init-draft (or a fresh draft), on
    every answer so far: this stage's, the earlier stages' (`answers*.jsonl.xz` beside --init-draft, and
    records of --data that carry answers, e.g. the stage-6 regeneration), cut to --max-length tokens;
+   with --eagle-3.1 the draft gets EAGLE-3.1's norms (an EAGLE-3 --init-draft is carried over into one);
 3. score: teacher-forced greedy chain acceptance (`eval.acceptance`) of the initial and the new draft on
    the target's greedy answers to the held-out conversations of --data (first turns, never trained on).
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import random
@@ -44,7 +46,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from eagle3.draft import DraftConfig, Eagle3Draft, load_draft, save_draft
+from eagle3.draft import NORM_VARIANTS, DraftConfig, Eagle3Draft, load_draft, save_draft
 from maverick.cli import UserError, run_cli
 from maverick.model import Llama4
 from maverick.target import default_target_path, load_target
@@ -53,7 +55,7 @@ from train.acceptance import run_lengths, summarize, target_fields
 from train.dump import default_feature_layers
 from train.fastfit import Buckets, TimeSchedule, bucket_batches, dense_step_sums, target_batch, weighted_loss
 from train.fastgen import Conversation, FastGenerator
-from train.fit import _append_jsonl, _truncate_log, plot_curves
+from train.fit import EAGLE31, _append_jsonl, _truncate_log, init_from_draft, plot_curves
 from train.samples import draft_vocab_from
 
 ANSWERS = "answers.jsonl.xz"
@@ -225,8 +227,18 @@ class Stage:
         return [answer_file.sample(r) for r in recs.values()]
 
     def build_draft(self, samples: list[dict]) -> Eagle3Draft:
+        a = self.args
+        seeded = torch.Generator().manual_seed(a.seed)
         if self.init is not None:
-            return load_draft(draft_dir(self.init), dtype=torch.float32, device=str(self.device))
+            src = load_draft(draft_dir(self.init), dtype=torch.float32, device=str(self.device))
+            if not a.eagle31 or all(getattr(src.config, k) for k in EAGLE31):
+                return src
+            # an EAGLE-3 draft carried into an EAGLE-3.1 one: its weights, the new norms at 1
+            draft = Eagle3Draft(dataclasses.replace(src.config, **EAGLE31))
+            draft.init_weights(std=0.02, generator=seeded)
+            draft.set_vocab(src.d2t.cpu(), src.t2d.cpu())
+            init_from_draft(draft, str(draft_dir(self.init)))
+            return draft.to(self.device)
         cfg = self.model.config
         flat = [
             {"input_ids": torch.as_tensor(s["input_ids"]), "loss_mask": torch.as_tensor(s["loss_mask"])}
@@ -234,9 +246,10 @@ class Stage:
         ]
         d2t, t2d, _ = draft_vocab_from(flat, cfg.vocab_size, self.args.draft_vocab_size)
         dcfg = DraftConfig.for_target(cfg, draft_vocab_size=int(d2t.numel()),
-                                      feature_layers=default_feature_layers(cfg.num_hidden_layers))  # fmt: skip
+                                      feature_layers=default_feature_layers(cfg.num_hidden_layers),
+                                      **(EAGLE31 if a.eagle31 else {}))  # fmt: skip
         draft = Eagle3Draft(dcfg)
-        draft.init_weights(std=0.02, generator=torch.Generator().manual_seed(self.args.seed))
+        draft.init_weights(std=0.02, generator=seeded)
         draft.set_vocab(d2t, t2d)
         return draft.to(self.device)
 
@@ -264,6 +277,11 @@ class Stage:
         ck = self.out / TRAIN_STATE
         if ck.is_file():
             st = torch.load(ck, map_location=dev, weights_only=True)
+            if set(st["draft"]) != set(draft.state_dict()):
+                raise StageError(
+                    f"{ck}: its draft has the tensors {sorted(set(st['draft']) ^ set(draft.state_dict()))} "
+                    f"where this run's has not, or the reverse: resume with the first run's --eagle-3.1"
+                )
             draft.load_state_dict(st["draft"])
             opt.load_state_dict(st["optimizer"])
             step, epoch, pos, spent, tokens = st["step"], st["epoch"], st["pos"], st["seconds"], st["tokens"]
@@ -353,6 +371,7 @@ class Stage:
             "seconds": round(seconds, 1),
             "tokens_per_s": round((tokens - tokens0) / max(ran, 1e-9), 1),  # this run's, compile included
             "init_draft": str(draft_dir(self.init)) if self.init else None,
+            "norm_variants": [k for k in NORM_VARIANTS if getattr(draft.config, k)],  # [] : EAGLE-3
             "lr": a.lr, "token_budget": a.token_budget, "bucket": a.bucket, "max_length": a.max_length,
             "ttt_steps": a.ttt_steps, "precision": a.precision, "compile": a.compile,
         }  # fmt: skip
@@ -488,6 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--log-every", type=int, default=10)
     t.add_argument("--checkpoint-seconds", type=float, default=60.0)
     t.add_argument("--draft-vocab-size", type=int, default=8192, help="a fresh draft's (no --init-draft)")
+    t.add_argument("--eagle-3.1", dest="eagle31", action="store_true",
+                   help="EAGLE-3.1's norms (each aux-layer feature before fc, the output); an --init-draft "
+                   "without them is carried over, the norms starting at 1")  # fmt: skip
     s = p.add_argument_group("scoring")
     s.add_argument("--score-share", type=float, default=0.08, help="budget share kept for scoring")
     s.add_argument("--heldout", type=int, default=64, help="held-out conversations scored")
