@@ -8,7 +8,7 @@ own as one inductor graph (C++ wrapper): the new tokens' rows at cache slots sta
 attention over the slots in use in blocks of SPAN (a dynamic dimension, as the target engine's), the row
 count dynamic too (at least 2 rows; one row would be specialised into a second graph). One graph serves
 every call. It is frozen (oneDNN-packed weights) and kept on disk as an AOTInductor package
-(maverick/aot.py), named by a hash of the draft's weights, shapes and source: SmolLM2's draft builds in
+(maverick/aot.py), named by a hash of the draft's weights, config, shapes and source: SmolLM2's draft builds in
 ~10 s and a later run loads it in ~1 s (with aot=False, torch.compile takes it from inductor's cache,
 `cache_frozen_graphs`: ~3 s).
 
@@ -176,6 +176,7 @@ class CompiledDraft:
             weights_digest(self.step),
             (__file__, draft_source),
             engine="draft",
+            config=repr(self.base.config),  # what shapes the graph beyond its weights: norm_output, eps, ...
             batch=args[1].shape[0],
             max_rows=self.max_rows,
             slots=self.slots,

@@ -419,6 +419,14 @@ def test_compiled_eagle31_draft_matches_the_eager_draft():
         assert (got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max(), f"T={T}"
     rms = got.float().pow(2).mean(-1).sqrt()  # norm(h) with norm weights at 1: unit RMS per position
     assert torch.allclose(rms, torch.ones_like(rms), atol=0.02)
+    # the same weights without norm_output are another graph: a package of its own, not this one's
+    plain = make_draft(make_target(), fc_norm=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), draft.state_dict().values()))
+    other = CompiledDraft(plain, MAX_LEN, max_rows=8)
+    want = plain(emb, hid, None, cache=plain.new_cache(1, MAX_LEN))
+    got = other(emb, hid, None, cache=other.new_cache(1, MAX_LEN))
+    assert other.package != comp.package
+    assert (got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max()
 
 
 @cpu_engines

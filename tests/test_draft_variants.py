@@ -49,7 +49,7 @@ def make_draft(target_cfg, seed=0, std=0.1, **variant) -> Eagle3Draft:
     g = torch.Generator().manual_seed(seed)
     d.init_weights(std=std, generator=g)
     with torch.no_grad():  # norms away from 1, so a norm applied in the wrong place shows
-        for name, p in d.named_parameters():
+        for p in d.parameters():
             if p.ndim == 1:
                 p.uniform_(0.5, 1.5, generator=g)
     d.t2d.fill_(True)
