@@ -589,6 +589,7 @@ class CompiledTarget:
             self._weights,
             (__file__, model_source),
             engine="target",
+            config=repr(self.base.config),  # what shapes the graph beyond its weights: eps, RoPE, ...
             rows=(lo, hi),
             batch=B,
             slots=self.slots,

@@ -148,6 +148,16 @@ def test_aot_packages_are_named_by_their_weights(engine):
     other.compile()
     assert not set(other.packages.values()) & set(engine.packages.values())
     _own_logits([engine, other])
+    # the same weights under another config (the norms' eps) are another graph: packages of their own
+    eps = make_target()
+    eps.config = dataclasses.replace(eps.config, rms_norm_eps=0.1)
+    for m in eps.modules():
+        if hasattr(m, "eps"):
+            m.eps = 0.1
+    eps = CompiledTarget(eps, MAX_LEN, FEATURES, rows=ROWS)
+    eps.compile()
+    assert not set(eps.packages.values()) & set(engine.packages.values())
+    _own_logits([engine, eps])
 
 
 @cpu_engines
