@@ -303,7 +303,8 @@ def test_init_draft_continues_from_saved_weights(tiny, tmp_path):
 
 def test_eagle31_carries_an_eagle3_draft_and_keeps_its_norms(tiny, tmp_path):
     """--eagle-3.1 from an EAGLE-3 draft: with lr 0 the run ends with that draft's weights plus the two new
-    norms at 1 (fc_norm on each aux feature, norm_output: no tensor of its own), and it learns from there.
+    norms (fc_norm on each aux feature, at the scale of its features: `scale_fc_norms`; norm_output: no
+    tensor of its own), and it learns from there.
     A run continued from the EAGLE-3.1 draft without the flag stays EAGLE-3.1; a checkpoint does not resume
     with the flag changed."""
     run(tiny, tmp_path / "a", steps=10)
@@ -311,7 +312,11 @@ def test_eagle31_carries_an_eagle3_draft_and_keeps_its_norms(tiny, tmp_path):
     a, b = draft_weights(tmp_path / "a"), draft_weights(tmp_path / "b")
     assert set(b) - set(a) == {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"}
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert all(torch.equal(b[f"fc_norm.{i}.weight"], torch.ones(64)) for i in range(3))
+    # fc_norm starts at the median RMS of each aux layer's features (of the first 16 samples)
+    feats = torch.cat([f["features"].float() for f in DumpDataset(tiny["root"] / "dumps").fetch(range(16))])
+    for i, part in enumerate(feats.chunk(3, -1)):
+        want = part.pow(2).mean(-1).sqrt().median()
+        assert torch.allclose(b[f"fc_norm.{i}.weight"].float(), want.expand(64), rtol=1e-6), i
     cfg = load_draft(tmp_path / "b" / "draft").config
     assert cfg.fc_norm and cfg.norm_output and not cfg.norm_before_fc
 

@@ -166,7 +166,7 @@ def test_interrupted_training_resumes_from_its_checkpoint(tmp_path, monkeypatch)
 
 def test_eagle31_stage_carries_an_eagle3_draft(tmp_path):
     """--eagle-3.1 with an EAGLE-3 --init-draft: the stage's draft has that draft's weights (no steps) plus
-    fc_norm at 1 and norm_output, stage.json names the variants, and both drafts are scored."""
+    fc_norm at its features' scale and norm_output, stage.json names the variants, and both drafts are scored."""
     from safetensors.torch import load_file
 
     from eagle3.draft import load_draft
@@ -190,7 +190,8 @@ def test_eagle31_stage_carries_an_eagle3_draft(tmp_path):
     a, b = (load_file(str(p / "draft" / "model.safetensors")) for p in (s1, s2))
     assert set(b) - set(a) == {f"fc_norm.{i}.weight" for i in range(3)}
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert all(bool((b[f"fc_norm.{i}.weight"] == 1).all()) for i in range(3))
+    scales = [b[f"fc_norm.{i}.weight"] for i in range(3)]  # each aux layer's feature scale (scale_fc_norms)
+    assert all(bool((w == w[0]).all()) and float(w[0]) > 0 and float(w[0]) != 1.0 for w in scales)
     cfg = load_draft(s2 / "draft").config
     assert cfg.fc_norm and cfg.norm_output
     assert s["phases"]["train"]["norm_variants"] == ["fc_norm", "norm_output"]

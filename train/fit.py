@@ -453,7 +453,12 @@ def _make_accelerator(cfg: FitConfig):
 
 
 def build_draft(
-    target_cfg: Llama4Config, d2t: Tensor, t2d: Tensor, feature_layers, cfg: FitConfig
+    target_cfg: Llama4Config,
+    d2t: Tensor,
+    t2d: Tensor,
+    feature_layers,
+    cfg: FitConfig,
+    data: TrainData | None = None,
 ) -> Eagle3Draft:
     variants = dict(EAGLE31) if cfg.eagle31 else {}
     if cfg.init_draft:  # the saved draft's norm variants stay (--eagle-3.1 may add to them)
@@ -466,7 +471,9 @@ def build_draft(
     draft.init_weights(std=cfg.init_std, generator=torch.Generator().manual_seed(cfg.seed))
     draft.set_vocab(d2t, t2d)
     if cfg.init_draft:
-        init_from_draft(draft, cfg.init_draft)
+        fresh = init_from_draft(draft, cfg.init_draft)
+        if any(k.startswith("fc_norm.") for k in fresh) and data is not None:
+            scale_fc_norms(draft, [s["features"] for s in data.fetch(range(min(16, len(data))))])
     if cfg.fp8:
         from maverick.fp8 import Fp8Recipe, convert_to_fp8, default_fp8_filter
 
@@ -478,12 +485,13 @@ def build_draft(
 EAGLE31 = {"fc_norm": True, "norm_output": True}  # the DraftConfig fields of EAGLE-3.1's two norms
 
 
-def init_from_draft(draft: Eagle3Draft, path: str) -> None:
+def init_from_draft(draft: Eagle3Draft, path: str) -> list[str]:
     """Copy the weights of a saved draft (continued training on more data). Its shapes and features must be
     the ones this run builds; its vocabulary may differ: lm_head rows of tokens in both vocabularies are
     carried over, the others keep their fresh initialisation (a new dataset selects a new vocabulary). Its
     norm variants may differ too (an EAGLE-3 draft carried into an EAGLE-3.1 one): norms that only this
-    draft has start at 1, norms that only the saved one has are dropped, and the log names both."""
+    draft has keep their fresh weights (1), norms that only the saved one has are dropped, and the log names
+    both. Returns the fresh ones (`scale_fc_norms` sets fc_norm's from data)."""
     src = load_draft(path)
     for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                  "head_dim", "vocab_size", "draft_vocab_size", "target_hidden_size", "feature_layers"):  # fmt: skip
@@ -495,7 +503,7 @@ def init_from_draft(draft: Eagle3Draft, path: str) -> None:
     mine = set(draft.state_dict()) - {"d2t", "t2d", "lm_head.weight"}
     fresh, dropped = sorted(mine - set(state)), sorted(set(state) - mine)
     if fresh or dropped:
-        log.info("%s: its norm variants differ from this draft's: starting at 1 %s; dropped %s",
+        log.info("%s: its norm variants differ from this draft's: fresh %s; dropped %s",
                  path, fresh, dropped)  # fmt: skip
     draft.load_state_dict({k: v for k, v in state.items() if k in mine}, strict=False)
     with torch.no_grad():
@@ -506,6 +514,19 @@ def init_from_draft(draft: Eagle3Draft, path: str) -> None:
         draft.lm_head.weight[shared.to(dev)] = src.lm_head.weight[rows[shared]].to(draft.lm_head.weight)
     log.info("%s: weights carried over; lm_head rows shared by both vocabularies: %d of %d",
                 path, int(shared.sum()), draft.config.draft_vocab_size)  # fmt: skip
+    return fresh
+
+
+def scale_fc_norms(draft: Eagle3Draft, features: Sequence[Tensor]) -> None:
+    """A carried draft's new fc_norm (its fc learnt the raw features): each aux layer's norm weight starts at
+    the median RMS of that layer's features over these samples [.., n*H_target], so fc sees inputs at the
+    scale it was trained on. The median, not the mean: an attention sink's features (SmolLM2: RMS ~1,000
+    at the first position against a median of ~20 in the mid layer) are what the norm is there to tame.
+    Measured on SmolLM2 with the shipped draft: see docs/results.md (2026-12-06, EAGLE-3.1)."""
+    x = torch.cat([f.reshape(-1, f.shape[-1]).float().cpu() for f in features])
+    with torch.no_grad():
+        for norm, part in zip(draft.fc_norm, x.chunk(len(draft.fc_norm), -1)):
+            norm.weight.fill_(float(part.pow(2).mean(-1).sqrt().median()))
 
 
 def train(
@@ -547,7 +568,7 @@ class _Run:
         self.out = Path(cfg.out)
         self.log_path = self.out / LOG_FILE
         dev = acc.device
-        self.draft = build_draft(target_cfg, vocab[0], vocab[1], data.feature_layers, cfg)
+        self.draft = build_draft(target_cfg, vocab[0], vocab[1], data.feature_layers, cfg, data)
         self.objective = TTTObjective(self.draft, embed_weight.to(dev), cfg.ttt_steps).to(dev)
         self.optimizer = torch.optim.AdamW(
             self.draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, eps=1e-8

@@ -55,7 +55,7 @@ from train.acceptance import run_lengths, summarize, target_fields
 from train.dump import default_feature_layers
 from train.fastfit import Buckets, TimeSchedule, bucket_batches, dense_step_sums, target_batch, weighted_loss
 from train.fastgen import Conversation, FastGenerator
-from train.fit import EAGLE31, _append_jsonl, _truncate_log, init_from_draft, plot_curves
+from train.fit import EAGLE31, _append_jsonl, _truncate_log, init_from_draft, plot_curves, scale_fc_norms
 from train.samples import draft_vocab_from
 
 ANSWERS = "answers.jsonl.xz"
@@ -233,11 +233,19 @@ class Stage:
             src = load_draft(draft_dir(self.init), dtype=torch.float32, device=str(self.device))
             if not a.eagle31 or all(getattr(src.config, k) for k in EAGLE31):
                 return src
-            # an EAGLE-3 draft carried into an EAGLE-3.1 one: its weights, the new norms at 1
+            # an EAGLE-3 draft carried into an EAGLE-3.1 one: its weights, fc_norm at its features' scale
             draft = Eagle3Draft(dataclasses.replace(src.config, **EAGLE31))
             draft.init_weights(std=0.02, generator=seeded)
             draft.set_vocab(src.d2t.cpu(), src.t2d.cpu())
-            init_from_draft(draft, str(draft_dir(self.init)))
+            fresh = init_from_draft(draft, str(draft_dir(self.init)))
+            if any(k.startswith("fc_norm.") for k in fresh):
+                with torch.no_grad():
+                    feats = [
+                        self.model(torch.as_tensor(s["input_ids"][:512], device=self.device)[None],
+                                   feature_layers=src.config.feature_layers, logits=None).features
+                        for s in samples[:16]
+                    ]  # fmt: skip
+                scale_fc_norms(draft, feats)
             return draft.to(self.device)
         cfg = self.model.config
         flat = [
