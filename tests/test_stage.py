@@ -136,27 +136,33 @@ def test_stage_continues_answered_chats_after_their_answers(tmp_path):
     assert got["old1"]["answers"][0] == old1["answers"][0] and len(got["old1"]["answers"]) == 2
 
 
-def test_interrupted_training_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+def kill_training_at(n: int, monkeypatch):
+    """The stage's n-th training step raises ("killed"); returns a function that undoes it."""
     import train.stage as stage
 
-    torch.set_num_threads(1)
-    target, data = make_data(tmp_path)
-    out = tmp_path / "o"
     real, calls = stage.dense_step_sums, []
 
-    def crash_on_fifth(*a, **kw):
+    def killed_at_n(*a, **kw):
         calls.append(1)
-        if len(calls) == 5:
+        if len(calls) == n:
             raise RuntimeError("killed")
         return real(*a, **kw)
 
-    monkeypatch.setattr(stage, "dense_step_sums", crash_on_fifth)
+    monkeypatch.setattr(stage, "dense_step_sums", killed_at_n)
+    return lambda: monkeypatch.setattr(stage, "dense_step_sums", real)
+
+
+def test_interrupted_training_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    torch.set_num_threads(1)
+    target, data = make_data(tmp_path)
+    out = tmp_path / "o"
+    revive = kill_training_at(5, monkeypatch)
     with pytest.raises(RuntimeError, match="killed"):
         run(target, data, out, "--checkpoint-seconds", "0", "--max-conversations", "5")
     assert (out / "train_state.pt").is_file() and set(
         json.loads((out / "stage.json").read_text())["phases"]
     ) == {"regen"}
-    monkeypatch.setattr(stage, "dense_step_sums", real)
+    revive()
     s = run(target, data, out, "--checkpoint-seconds", "0")
     tr = s["phases"]["train"]
     assert (tr["steps"], tr["steps_this_run"]) == (6, 2) and s["phases"]["regen"]["conversations"] == 5
@@ -204,18 +210,10 @@ def test_training_does_not_resume_with_the_variant_changed(tmp_path, monkeypatch
     torch.set_num_threads(1)
     target, data = make_data(tmp_path)
     out = tmp_path / "o"
-    real, calls = stage.dense_step_sums, []
-
-    def crash_on_third(*a, **kw):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("killed")
-        return real(*a, **kw)
-
-    monkeypatch.setattr(stage, "dense_step_sums", crash_on_third)
+    revive = kill_training_at(3, monkeypatch)
     with pytest.raises(RuntimeError, match="killed"):
         run(target, data, out, "--checkpoint-seconds", "0", "--max-conversations", "3", "--eagle-3.1")
-    monkeypatch.setattr(stage, "dense_step_sums", real)
+    revive()
     with pytest.raises(
         stage.StageError, match=r"train_state.pt: its draft has the tensors \['fc_norm.0.weight'"
     ):

@@ -461,8 +461,9 @@ def build_draft(
     data: TrainData | None = None,
 ) -> Eagle3Draft:
     variants = dict(EAGLE31) if cfg.eagle31 else {}
-    if cfg.init_draft:  # the saved draft's norm variants stay (--eagle-3.1 may add to them)
-        src = DraftConfig.from_hf_dict(read_json(Path(cfg.init_draft) / "config.json"))
+    init_cfg = Path(cfg.init_draft or "") / "config.json"
+    if cfg.init_draft and init_cfg.is_file():  # its norm variants stay (--eagle-3.1 may add to them)
+        src = DraftConfig.from_hf_dict(read_json(init_cfg), source=str(init_cfg))
         variants |= {k: True for k in NORM_VARIANTS if getattr(src, k)}
     dcfg = DraftConfig.for_target(
         target_cfg, draft_vocab_size=int(d2t.numel()), feature_layers=feature_layers, **variants
