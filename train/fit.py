@@ -472,9 +472,12 @@ def build_draft(
     draft.init_weights(std=cfg.init_std, generator=torch.Generator().manual_seed(cfg.seed))
     draft.set_vocab(d2t, t2d)
     if cfg.init_draft:
-        fresh = init_from_draft(draft, cfg.init_draft)
-        if any(k.startswith("fc_norm.") for k in fresh) and data is not None:
-            scale_fc_norms(draft, [s["features"] for s in data.fetch(range(min(16, len(data))))])
+        first = (
+            (lambda: [s["features"] for s in data.fetch(range(min(16, len(data))))])
+            if data is not None
+            else None
+        )
+        init_from_draft(draft, cfg.init_draft, first)
     if cfg.fp8:
         from maverick.fp8 import Fp8Recipe, convert_to_fp8, default_fp8_filter
 
@@ -486,13 +489,16 @@ def build_draft(
 EAGLE31 = {"fc_norm": True, "norm_output": True}  # the DraftConfig fields of EAGLE-3.1's two norms
 
 
-def init_from_draft(draft: Eagle3Draft, path: str) -> list[str]:
+def init_from_draft(
+    draft: Eagle3Draft, path: str, features: Callable[[], Sequence[Tensor]] | None = None
+) -> None:
     """Copy the weights of a saved draft (continued training on more data). Its shapes and features must be
     the ones this run builds; its vocabulary may differ: lm_head rows of tokens in both vocabularies are
     carried over, the others keep their fresh initialisation (a new dataset selects a new vocabulary). Its
     norm variants may differ too (an EAGLE-3 draft carried into an EAGLE-3.1 one): norms that only this
-    draft has keep their fresh weights (1), norms that only the saved one has are dropped, and the log names
-    both. Returns the fresh ones (`scale_fc_norms` sets fc_norm's from data)."""
+    draft has keep their fresh weights (1), except a new fc_norm, which `scale_fc_norms` sets from
+    `features()` (some training samples' target features) when given; norms that only the saved one has are
+    dropped, and the log names both."""
     src = load_draft(path)
     for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                  "head_dim", "vocab_size", "draft_vocab_size", "target_hidden_size", "feature_layers"):  # fmt: skip
@@ -515,7 +521,8 @@ def init_from_draft(draft: Eagle3Draft, path: str) -> list[str]:
         draft.lm_head.weight[shared.to(dev)] = src.lm_head.weight[rows[shared]].to(draft.lm_head.weight)
     log.info("%s: weights carried over; lm_head rows shared by both vocabularies: %d of %d",
                 path, int(shared.sum()), draft.config.draft_vocab_size)  # fmt: skip
-    return fresh
+    if features is not None and any(k.startswith("fc_norm.") for k in fresh):
+        scale_fc_norms(draft, features())
 
 
 def scale_fc_norms(draft: Eagle3Draft, features: Sequence[Tensor]) -> None:

@@ -55,7 +55,7 @@ from train.acceptance import run_lengths, summarize, target_fields
 from train.dump import default_feature_layers
 from train.fastfit import Buckets, TimeSchedule, bucket_batches, dense_step_sums, target_batch, weighted_loss
 from train.fastgen import Conversation, FastGenerator
-from train.fit import EAGLE31, _append_jsonl, _truncate_log, init_from_draft, plot_curves, scale_fc_norms
+from train.fit import EAGLE31, _append_jsonl, _truncate_log, init_from_draft, plot_curves
 from train.samples import draft_vocab_from
 
 ANSWERS = "answers.jsonl.xz"
@@ -237,15 +237,16 @@ class Stage:
             draft = Eagle3Draft(dataclasses.replace(src.config, **EAGLE31))
             draft.init_weights(std=0.02, generator=seeded)
             draft.set_vocab(src.d2t.cpu(), src.t2d.cpu())
-            fresh = init_from_draft(draft, str(draft_dir(self.init)))
-            if any(k.startswith("fc_norm.") for k in fresh):
+
+            def features() -> list[torch.Tensor]:  # the target's, on 16 training samples
+                ids = [torch.as_tensor(s["input_ids"][:512], device=self.device)[None] for s in samples[:16]]
                 with torch.no_grad():
-                    feats = [
-                        self.model(torch.as_tensor(s["input_ids"][:512], device=self.device)[None],
-                                   feature_layers=src.config.feature_layers, logits=None).features
-                        for s in samples[:16]
-                    ]  # fmt: skip
-                scale_fc_norms(draft, feats)
+                    return [
+                        self.model(x, feature_layers=src.config.feature_layers, logits=None).features
+                        for x in ids
+                    ]
+
+            init_from_draft(draft, str(draft_dir(self.init)), features)
             return draft.to(self.device)
         cfg = self.model.config
         flat = [
@@ -517,7 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--draft-vocab-size", type=int, default=8192, help="a fresh draft's (no --init-draft)")
     t.add_argument("--eagle-3.1", dest="eagle31", action="store_true",
                    help="EAGLE-3.1's norms (each aux-layer feature before fc, the output); an --init-draft "
-                   "without them is carried over, the norms starting at 1")  # fmt: skip
+                   "without them is carried over, fc_norm starting at its features' scale")  # fmt: skip
     s = p.add_argument_group("scoring")
     s.add_argument("--score-share", type=float, default=0.08, help="budget share kept for scoring")
     s.add_argument("--heldout", type=int, default=64, help="held-out conversations scored")
