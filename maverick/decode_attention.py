@@ -9,7 +9,9 @@ a kv head as the rows of one product), so a step costs what the rows hold.
 
 `decode_attention` checks the kernel once per process against `grouped_decode_attention` (below) on
 random data and falls back to it (with a warning) when Triton is missing, fails to compile or disagrees:
-a stage on a lent GPU must not die or go wrong on a kernel that could only be tested there.
+a stage on a lent GPU must not die or go wrong on a kernel that could only be tested there. Its indexing, masks
+and online softmax are also checked on a CPU, under Triton's interpreter (tests/test_decode_attention.py, with
+the `triton` extra installed).
 """
 
 from __future__ import annotations
