@@ -55,7 +55,11 @@ def emulated_mm(
 ) -> torch.Tensor:
     """Reference FP8 GEMM: up-cast to fp32, matmul, apply the scales, cast to ``out_dtype``."""
     acc = a.float() @ b.float()  # [M, N] fp32; every FP8 x FP8 product is exact
-    return (acc * (scale_a_inv.float() * scale_b_inv.float())).to(out_dtype)
+    out = acc * (scale_a_inv.float() * scale_b_inv.float())
+    # NOTE: no `.to` when the dtype already matches. Under torch.compile on torch 2.11 (the lent GPU's
+    # image), an autograd.Function whose output passed through a no-op `.to` gave zero gradients to
+    # everything before the second such layer (fp32 models; tests/test_fp8.py's compiled test).
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 def _round_up(n: int, m: int = 16) -> int:
