@@ -1,4 +1,4 @@
-"""maverick.decode_attention's Triton kernel, run on the CPU by Triton's interpreter: each row reads only its own
+"""maverick.decode_attention's Triton kernel, run on a CPU by Triton's interpreter: each row reads only its own
 keys (the slots past them hold NaN) and gets the masked grouped product's output, in fp32 and bf16.
 
 The kernel is the one piece of hand-written GPU code the draft stage relies on (train/fastgen.py), and a GPU is

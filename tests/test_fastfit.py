@@ -1,5 +1,5 @@
 """train.fastfit: bucketed fixed-shape batches (with filler rows) give the loss and gradients of the same
-samples right-padded into one batch (train.fit's reference path), in fp32; the compiled step gives the eager one's."""
+samples right-padded into one batch (train.fit's reference path), in fp32; so does the compiled step."""
 
 import pytest
 import torch
