@@ -546,7 +546,13 @@ def build_chat_dataset(
 
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = cache_dir / f".chat-{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    dd.save_to_disk(str(tmp))
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # its bar printed "0 examples" for an empty held-out split
+    try:
+        dd.save_to_disk(str(tmp))
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
     (tmp / "build_report.json").write_text(json.dumps(dataclasses.asdict(report), indent=2) + "\n")
     try:
         os.rename(tmp, final)
