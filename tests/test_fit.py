@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from eagle3.draft import DraftConfig, Eagle3Draft, load_draft, save_draft
 from maverick.checkpoint import save_hf
+from maverick.cli import UserError
 from maverick.config import get_config
 from maverick.model import Llama4
 from maverick.target import target_identity
@@ -275,8 +276,10 @@ def test_grad_accumulation_equals_one_big_batch(tiny, tmp_path):
 
 def test_init_draft_continues_from_saved_weights(tiny, tmp_path):
     """--init-draft: a run that starts from a saved draft with lr 0 ends with exactly its weights; with a
-    learning rate its first loss is that draft's loss on the first batch (below a random draft's). A
-    draft with another vocabulary gives its lm_head rows of the shared tokens and every other weight."""
+    learning rate its first loss is that draft's loss on the first batch (below a random draft's). A draft
+    with another vocabulary keeps it; with --new-vocab the run takes the data's vocabulary and gets the
+    draft's lm_head rows of the shared tokens and every other weight. A checkpoint resumes only under the
+    vocabulary it was trained with."""
     run(tiny, tmp_path / "a", steps=30, warmup=2)
     run(tiny, tmp_path / "b", steps=2, lr=0.0, init_draft=str(tmp_path / "a" / "draft"))
     a, b = draft_weights(tmp_path / "a"), draft_weights(tmp_path / "b")
@@ -287,10 +290,18 @@ def test_init_draft_continues_from_saved_weights(tiny, tmp_path):
 
     other = load_draft(tmp_path / "a" / "draft")  # same weights, another vocabulary
     d2t, t2d = draft_vocab_from(tiny_samples(16, seed=5), 512, 256)[:2]
+    assert not torch.equal(d2t, tiny["vocab"][0])
     other.set_vocab(d2t, t2d)
     save_draft(other, tmp_path / "other")
-    run(tiny, tmp_path / "d", steps=2, lr=0.0, init_draft=str(tmp_path / "other"))
+    run(tiny, tmp_path / "kept", steps=2, lr=0.0, init_draft=str(tmp_path / "other"))
+    kept = draft_weights(tmp_path / "kept")
+    assert torch.equal(kept["d2t"], d2t) and all(
+        torch.equal(a[k], kept[k]) for k in a if k not in ("d2t", "t2d")
+    )
+
+    run(tiny, tmp_path / "d", steps=2, lr=0.0, init_draft=str(tmp_path / "other"), new_vocab=True)
     d = draft_weights(tmp_path / "d")
+    assert torch.equal(d["d2t"], tiny["vocab"][0])
     assert all(torch.equal(a[k], d[k]) for k in a if k != "lm_head.weight")
     ours = (torch.arange(256) + tiny["vocab"][0]).tolist()  # target id of each of the run's draft ids
     theirs = {t: i for i, t in enumerate((torch.arange(256) + d2t).tolist())}
@@ -299,6 +310,17 @@ def test_init_draft_continues_from_saved_weights(tiny, tmp_path):
     for i, j in shared:
         assert torch.equal(d["lm_head.weight"][i], a["lm_head.weight"][j])
     assert not torch.equal(d["lm_head.weight"], a["lm_head.weight"])
+
+    run(tiny, tmp_path / "e", steps=4, checkpoint_every=2, init_draft=str(tmp_path / "other"), new_vocab=True)
+    with pytest.raises(UserError, match="draft vocabulary is not this run's.*--new-vocab"):
+        run(
+            tiny,
+            tmp_path / "e",
+            steps=4,
+            checkpoint_every=2,
+            init_draft=str(tmp_path / "other"),
+            resume="auto",
+        )
 
 
 def test_eagle31_carries_an_eagle3_draft_and_keeps_its_norms(tiny, tmp_path):

@@ -110,7 +110,10 @@ class FitConfig:
     eval_every: int = 0
     fp8: bool = False
     init_std: float = 0.02
-    init_draft: str | None = None  # start from this draft (same target, features and vocabulary)
+    init_draft: str | None = None  # start from this draft (same target and features; its vocabulary)
+    new_vocab: bool = (
+        False  # with init_draft: the data's draft vocabulary instead, shared tokens' rows carried
+    )
     eagle31: bool = False  # EAGLE-3.1's norms: one on each aux-layer feature before fc, one on the output
     progress: bool = True
     cpu: bool = False  # train on the CPU even when a GPU is present
@@ -465,6 +468,10 @@ def build_draft(
     if cfg.init_draft and init_cfg.is_file():  # its norm variants stay (--eagle-3.1 may add to them)
         src = DraftConfig.from_hf_dict(read_json(init_cfg), source=str(init_cfg))
         variants |= {k: True for k in NORM_VARIANTS if getattr(src, k)}
+    if cfg.init_draft and not cfg.new_vocab:  # a continued draft keeps its vocabulary, as in train.stage
+        src_draft = load_draft(cfg.init_draft)
+        d2t, t2d = src_draft.d2t.cpu(), src_draft.t2d.cpu()
+        log.info("%s: its draft vocabulary (%d tokens) is kept", cfg.init_draft, d2t.numel())
     dcfg = DraftConfig.for_target(
         target_cfg, draft_vocab_size=int(d2t.numel()), feature_layers=feature_layers, **variants
     )
@@ -493,8 +500,8 @@ def init_from_draft(
     draft: Eagle3Draft, path: str, features: Callable[[], Sequence[Tensor]] | None = None
 ) -> None:
     """Copy the weights of a saved draft (continued training on more data). Its shapes and features must be
-    the ones this run builds; its vocabulary may differ: lm_head rows of tokens in both vocabularies are
-    carried over, the others keep their fresh initialisation (a new dataset selects a new vocabulary). Its
+    the ones this run builds; its vocabulary may differ (`--new-vocab`): lm_head rows of tokens in both vocabularies
+    are carried over, the others keep their fresh initialisation. Its
     norm variants may differ too (an EAGLE-3 draft carried into an EAGLE-3.1 one): norms that only this
     draft has keep their fresh weights (1), except a new fc_norm, which `scale_fc_norms` sets from
     `features()` (some training samples' target features) when given; norms that only the saved one has are
@@ -615,6 +622,11 @@ class _Run:
                 f"{ck / STATE_FILE}: the checkpoint was trained on other data or another global batch"
             )
         sd = load_file(str(ck / "draft" / "model.safetensors"))
+        if not torch.equal(sd["d2t"], self.draft.d2t.cpu()):
+            raise UserError(
+                f"{ck}: its draft vocabulary is not this run's (an --init-draft run keeps the init draft's "
+                "vocabulary unless --new-vocab; resume with the setting the run was started with)"
+            )
         self.draft.load_state_dict({**sd, **state.get("fp8_buffers", {})}, strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -917,7 +929,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="EAGLE-3.1's norms (each aux-layer feature before fc, the output): a current vLLM "
                    "serves such a draft, SGLang does not (eagle3/draft.py NORM_VARIANTS)")  # fmt: skip
     p.add_argument("--init-draft", default=None,
-                   help="start from this saved draft (same features and vocabulary) instead of random weights")  # fmt: skip
+                   help="start from this saved draft (same features; its vocabulary) instead of random weights")  # fmt: skip
+    p.add_argument("--new-vocab", action="store_true",
+                   help="with --init-draft: the data's draft vocabulary, not the init draft's (lm_head rows of "
+                   "tokens in both are carried, the others start fresh)")  # fmt: skip
     p.add_argument(
         "--threads",
         type=int,
@@ -945,7 +960,7 @@ def config_from_args(args: argparse.Namespace) -> FitConfig:
         group_by_length=not args.no_group_by_length, max_length=args.max_length if args.dumps else None,
         checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints, log_every=args.log_every,
         tracker=args.tracker, resume=args.resume, stop_after=args.stop_after, eval_dumps=args.eval_dumps,
-        eval_every=args.eval_every, fp8=args.fp8, init_std=args.init_std, init_draft=args.init_draft, eagle31=args.eagle31, progress=not args.no_progress, cpu=args.cpu,
+        eval_every=args.eval_every, fp8=args.fp8, init_std=args.init_std, init_draft=args.init_draft, new_vocab=args.new_vocab, eagle31=args.eagle31, progress=not args.no_progress, cpu=args.cpu,
         draft_vocab_size=args.draft_vocab_size, target_dtype=args.target_dtype,
         online_args={k: getattr(args, k) for k in online_keys} | {"max_length": args.max_length or 1024} if args.online else None,
         overwrite=args.overwrite, verify_dumps=not args.no_verify_dumps,
