@@ -108,7 +108,7 @@ class SpecDecoder:
     lookup where the sequence repeats itself, the EAGLE-3 draft (chain or tree) elsewhere. datastore: a
     Datastore tried after the sequence itself (needs lookup). engine="compiled": the target's decode and
     verify steps on the compiled engine (maverick/compiled.py; `target` may already be one, shared with a
-    plain `Decoder`); chains only.
+    plain `Decoder`), a tree's verify in a graph of its own.
     """
 
     def __init__(
@@ -124,8 +124,9 @@ class SpecDecoder:
         engine: str = "eager",
     ):
         target = for_engine(target, engine, max_len, draft.config.feature_layers)
-        if tree is not None and getattr(target, "compiled", False):
-            raise ValueError("the compiled engine verifies chains: a tree verify would run eager, other bits")
+        if tree is not None and getattr(target, "compiled", False) and target.device.type == "cuda":
+            # a GPU engine runs every chain call in one graph; the tree graph's bits there are not yet measured
+            raise ValueError("compiled tree verifies are checked on CPU engines only; on CUDA verify chains")
         if datastore is not None and lookup is None:
             raise ValueError("a datastore extends prompt lookup: pass lookup=LookupConfig() with it")
         if draft.config.vocab_size != target.config.vocab_size:

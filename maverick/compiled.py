@@ -8,8 +8,10 @@ SwiGLU, the attention's softmax) fused, no Python inside a step, and on CPU indu
 (`cpp_wrapper`: the graph is one C++ call instead of a Python function of ~400 kernel launches; measured
 on frozen graphs, plain 4-bit decoding 148 against 123 tok/s; on the unfrozen 4-bit graphs below, no
 difference: 6.72 against 6.60 ms a step). On CUDA the same graphs are replayed as CUDA graphs
-(`triton.cudagraphs`, what `mode="reduce-overhead"` sets). Long calls (prefill) and tree verifies run on
-the eager model.
+(`triton.cudagraphs`, what `mode="reduce-overhead"` sets). Long calls (prefill) run on the eager model. A
+tree verify (batch 1) runs a graph of its own (`_TreeStep`), built at the first tree call: every node gets
+the bits a chain verify or decode steps of its root-to-node path get (`_tree_attend`; tested on CPU; a CUDA
+engine does not take trees yet).
 
 How a step is compiled. On CPU (`aot`, the default there) the buckets are AOTInductor packages
 (maverick/aot.py): exported once, compiled, kept on disk under a hash of the weights, shapes, options and
@@ -213,10 +215,23 @@ class _Step(nn.Module):
     features [B, T, n H] (the states entering `feature_layers`, concatenated; [B, T, 0] for none),
     hidden [B, T, H] (after the final norm)."""
 
-    def __init__(self, model: Llama4, feature_layers: tuple[int, ...], head: bool = True):
+    def __init__(self, model: Llama4, feature_layers: tuple[int, ...], slots: int, head: bool = True):
         super().__init__()
         self.model = model
         self.feature_layers = feature_layers
+        # per-position tables for the cache's slots, read by position: RoPE's cos and sin, and the NoPE layers'
+        # temperature scale. Computed in a graph they took other bits where the positions were a tensor read
+        # (a tree's depths) than where they were an arange (a chain's): measured on SmolLM2, from node 4 on
+        cos, sin = rope_tables(torch.arange(slots, device=model.device)[None], model.inv_freq)
+        self.register_buffer("rope_cos", cos[0], persistent=False)  # [slots, 1, D]
+        self.register_buffer("rope_sin", sin[0], persistent=False)
+        a = next(
+            (layer.self_attn for layer in model.model.layers if layer.self_attn.temperature_tuning), None
+        )
+        if a is not None:
+            p = torch.arange(slots, device=model.device).float()
+            scale = torch.log1p(torch.floor((p + 1.0) / a.floor_scale)) * a.attn_scale + 1.0
+            self.register_buffer("temperature", scale, persistent=False)  # [slots]
         self.bmm_rows = bmm_min_rows()  # probed here, eagerly: a compiled region cannot run the probe
         self.q4 = _q4_packs(model)
         # head=False: the step returns (features, hidden) and its caller applies the head (a 4-bit AOT package
@@ -232,12 +247,20 @@ class _Step(nn.Module):
             self.register_buffer("pk_head", packed_weight(model.lm_head.weight), persistent=False)
 
     def forward(self, tokens: Tensor, start: Tensor, k_cache: Tensor, v_cache: Tensor, span: Tensor):
+        pos = start[:, None] + torch.arange(tokens.shape[1], device=tokens.device)  # [B, T]
+        return self.layers(tokens, pos, pos, None, k_cache, v_cache, span)
+
+    def layers(
+        self, tokens: Tensor, pos: Tensor, write: Tensor, tree, k_cache: Tensor, v_cache: Tensor, span
+    ):
+        """The whole model on tokens [B, T] at positions `pos`, their keys and values written at cache slots
+        `write` [B, T] (a chain: the positions); tree: None, or `_TreeStep`'s layout (batch 1)."""
         m, cfg = self.model, self.model.config
         B, T = tokens.shape
         S = span.shape[0] * SPAN  # the slots attended to: SPAN-slot blocks, dynamic (one graph for all)
         dev = tokens.device
-        pos = start[:, None] + torch.arange(T, device=dev)  # [B, T]
-        cos, sin = rope_tables(pos, m.inv_freq)
+        cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # [B, T, 1, D]
+        temperature = self.temperature[pos] if hasattr(self, "temperature") else None  # [B, T]
         slot = torch.arange(S, device=dev)
         visible = slot[None, None, :] <= pos[:, :, None]  # [B, T, S]: committed slots and the causal new ones
         bias = torch.where(visible, 0.0, float("-inf"))[:, None, None]  # [B, 1, 1, T, S]
@@ -258,7 +281,9 @@ class _Step(nn.Module):
             o = self._attend(
                 a,
                 qkv,
-                pos,
+                temperature,
+                write,
+                tree,
                 cos,
                 sin,
                 chunk_bias if a.chunked else bias,
@@ -299,10 +324,24 @@ class _Step(nn.Module):
 
     @staticmethod
     def _attend(
-        a, qkv, pos, cos, sin, bias, k_cache, v_cache, S, layer: int, rows, min_rows: int | None
+        a,
+        qkv,
+        temperature,
+        write,
+        tree,
+        cos,
+        sin,
+        bias,
+        k_cache,
+        v_cache,
+        S,
+        layer: int,
+        rows,
+        min_rows: int | None,
     ) -> Tensor:
         """`Attention.attend` for the compiled step: qkv [B, T, (Hq + 2 Hkv) D] -> [B, T, Hq D]; this layer's
-        cache k/v written at slots `pos`; attention in fp32 over the first S slots, `bias` masking."""
+        cache k/v written at slots `write`; attention in fp32 over the first S slots, `bias` masking (in each
+        row's chain order: a tree's rows see their ancestors at the slots of their positions, `_tree_attend`)."""
         B, T, _ = qkv.shape
         Hq, Hkv, D = a.n_heads, a.n_kv, a.head_dim
         G = Hq // Hkv
@@ -314,21 +353,23 @@ class _Step(nn.Module):
         if a.qk_norm:
             q, k = _rms(q, a.eps), _rms(k, a.eps)
         elif a.temperature_tuning:
-            scale = torch.log1p(torch.floor((pos.float() + 1.0) / a.floor_scale)) * a.attn_scale + 1.0
-            q = (q * scale[:, :, None, None]).to(q.dtype)
+            q = (q * temperature[:, :, None, None]).to(q.dtype)
         # one index_put_ on the whole cache (not on a layer's view): inductor then writes the T slots in
         # place instead of copying the layer (measured: a view's write copied it, and the cache once per step)
         idx = (
-            torch.full((1, 1, 1), layer, device=pos.device),
+            torch.full((1, 1, 1), layer, device=write.device),
             rows[:, :, None],
-            torch.arange(Hkv, device=pos.device),
-            pos[:, :, None],
+            torch.arange(Hkv, device=write.device),
+            write[:, :, None],
         )
-        k_cache.index_put_(idx, k.to(k_cache.dtype))  # k [B, T, Hkv, D] at [layer, b, h, pos[b, t]]
+        k_cache.index_put_(idx, k.to(k_cache.dtype))  # k [B, T, Hkv, D] at [layer, b, h, write[b, t]]
         v_cache.index_put_(idx, v.to(v_cache.dtype))
         q_f = q.float().view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
         k_f, v_f = k_cache[layer, :, :, :S].float(), v_cache[layer, :, :, :S].float()  # [B, Hkv, S, D]
-        if min_rows is None:  # no row count keeps fp32 bmm's bits here: reductions (slower, tested invariant)
+        if tree is not None:
+            o = _tree_attend(q_f[0], k_f[0], v_f[0], bias[0, 0], tree, min_rows)[None]
+        # no row count keeps fp32 bmm's bits here: reductions (slower, tested invariant)
+        elif min_rows is None:
             scores = (q_f[:, :, :, :, None] * k_f[:, :, None, None]).sum(-1)  # [B, Hkv, G, T, S]
             probs = (scores * D**-0.5 + bias).softmax(-1)
             o = (probs[..., None] * v_f[:, :, None, None]).sum(-2)  # [B, Hkv, G, T, D]
@@ -347,6 +388,66 @@ class _Step(nn.Module):
             o = torch.bmm(p, v_f.reshape(B * Hkv * m, SPAN, D)).view(B * Hkv, m, -1, D)
             o = o[:, :, :n].sum(1).view(B, Hkv, G, T, D)
         return o.permute(0, 3, 1, 2, 4).reshape(B, T, Hq * D).to(qkv.dtype)
+
+
+def _tree_attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, tree, min_rows: int | None) -> Tensor:
+    """A tree verify's attention (batch 1) with the bits of decoding each root-to-node path token by token,
+    as `model.tree_attention` does for the eager model: q [Hkv, G, T, D], k/v [Hkv, S, D] in cache order
+    (node t at slot start + t), bias [1, T, S] in chain order; tree = (keys [T, S]: the cache slot of each
+    node's chain slot, window [2 SPAN]: the chain slots of the two SPAN-blocks that hold every node's
+    ancestors) -> [Hkv, G, T, D].
+
+    A score is one D-long dot product whose bits do not depend on where its key sits: all scores come from
+    one product in cache order and are gathered into each node's chain order for the softmax, as `_attend`
+    computes a chain's. The product with the values sums over slots, so it must see each node's values in
+    its chain order: the blocks before the window are the same for every node (the committed prefix) and
+    run as `_attend` runs them; the two window blocks run per node on values gathered into its chain order,
+    and replace those blocks before the blocks are summed in order."""
+    Hkv, G, T, D = q.shape
+    S = k.shape[1]
+    keys, window = tree
+    n = G * T
+    pad = (0, 0, 0, max((min_rows or 1) - n, 0))
+    q_f = F.pad(q.reshape(Hkv, n, D), pad)
+    scores = torch.bmm(q_f, k.transpose(1, 2))[:, :n].view(Hkv, G, T, S)  # cache order
+    scores = scores.gather(3, keys[None, None].expand(Hkv, G, T, S))  # each node's chain order
+    probs = (scores * D**-0.5 + bias).softmax(-1)  # [Hkv, G, T, S]
+    m = S // SPAN
+    p = F.pad(probs.reshape(Hkv, n, m, SPAN).transpose(1, 2), pad)  # [Hkv, m, n', SPAN]
+    o = torch.bmm(p.reshape(Hkv * m, -1, SPAN), v.reshape(Hkv * m, SPAN, D)).view(Hkv, m, -1, D)
+    W = window.shape[0]
+    wpad = (0, 0, 0, max((min_rows or 1) - G, 0))
+    pw = probs.index_select(3, window).view(Hkv, G, T, W // SPAN, SPAN).permute(0, 2, 3, 1, 4)
+    pw = F.pad(pw.reshape(-1, G, SPAN), wpad)  # [Hkv T 2, G', SPAN]: a node's rows, one window block
+    vw = v.index_select(1, keys.index_select(1, window).flatten())  # [Hkv, T W, D]: each node's chain order
+    ow = torch.bmm(pw, vw.view(-1, SPAN, D))[:, :G].view(Hkv, T, W // SPAN, G, D)
+    ow = F.pad(ow.permute(0, 2, 3, 1, 4).reshape(Hkv, W // SPAN, n, D), (0, 0, 0, o.shape[2] - n))
+    o = o.index_copy(1, window[::SPAN] // SPAN, ow)
+    return o[:, :, :n].sum(1).view(Hkv, G, T, D)
+
+
+class _TreeStep(_Step):
+    """`_Step` for a tree verify (batch 1): T nodes written at cache slots start .. start + T - 1, node t at
+    position start + depth[t], seeing the committed slots and its ancestors (`_tree_attend`).
+
+    tokens [1, T], start [1], depth [1, T], anc [1, T, T] (anc[0, t, e]: the node at depth e on t's path, for
+    e <= depth[t]; t beyond), k_cache / v_cache, span (covering start + T, two blocks at least: the window is
+    the two blocks from start's, or the span's last two) -> `_Step`'s outputs for every node."""
+
+    def forward(self, tokens, start, depth, anc, k_cache, v_cache, span):
+        T = tokens.shape[1]
+        dev = tokens.device
+        S = span.shape[0] * SPAN
+        pos = start[:, None] + depth
+        write = start[:, None] + torch.arange(T, device=dev)
+        slot = torch.arange(S, device=dev)
+        w = slot - start  # [S]: offset in the nodes' slots
+        inside = (w >= 0) & (w < T)
+        ancestor = anc[0].gather(1, w.clamp(0, T - 1)[None].expand(T, S))  # [T, S]
+        keys = torch.where(inside[None], start + ancestor, slot[None])
+        first = torch.clamp(start // SPAN, max=S // SPAN - 2)  # the window's first block
+        window = first * SPAN + torch.arange(2 * SPAN, device=dev)
+        return self.layers(tokens, pos, write, (keys, window), k_cache, v_cache, span)
 
 
 class CompiledTarget:
@@ -401,7 +502,7 @@ class CompiledTarget:
         # a 4-bit AOT package is not frozen: after loading it runs on the model's own tensors, one copy for
         # every bucket, and the head packed here is applied outside the graph (see the module docstring)
         self.shared = self.aot and q4
-        self.step = _Step(model, self.feature_layers, head=not self.shared).eval()
+        self.step = _Step(model, self.feature_layers, self.slots + 1, head=not self.shared).eval()
         self._pk_head = packed_weight(model.lm_head.weight) if self.shared else None
         # a dense model frozen, a 4-bit one not (see the module docstring)
         options = {"freezing": not q4, "emulate_precision_casts": True}
@@ -415,11 +516,20 @@ class CompiledTarget:
             options |= {"max_autotune": autotune, "cpp_wrapper": cpp_wrapper}
         self.options = options
         self._runners: dict[tuple[int, int], Callable] = {}  # AOT: (bucket, batch) -> loaded package
+        self._tree_runners: dict[int, Callable] = {}  # AOT: bucket -> the tree graph's loaded package
         self._weights: str | None = None  # AOT: weights_digest of the step, taken at the first package
         self.packages: dict[int, Path] = {}  # AOT: bucket -> the package file it runs
         self.loaded: dict[int, bool] = {}  # AOT: bucket -> whether that package came from disk
         self._fn = torch.compile(
             _own_forward(self.step), dynamic=False, fullgraph=True, options={"guard_filter_fn": _inputs_only}
+        )
+        # tree verifies (batch 1): a graph of their own, built at the first tree call
+        self.tree_step = _TreeStep(model, self.feature_layers, self.slots + 1, head=not self.shared).eval()
+        self._tree_fn = torch.compile(
+            _own_forward(self.tree_step),
+            dynamic=False,
+            fullgraph=True,
+            options={"guard_filter_fn": _inputs_only},
         )
         self.compile_seconds: dict[int, float] = {}  # bucket -> seconds of its first call
         self._spans: dict[int, Tensor] = {}
@@ -488,8 +598,9 @@ class CompiledTarget:
         logits: str | Tensor | None = "all",
         inputs_embeds: Tensor | None = None,
     ) -> Output:
-        """`Llama4.forward`: compiled for a chain of T <= max(rows) tokens on a cache of this engine, eager
-        otherwise (a prefill, from an empty cache; trees, explicit positions)."""
+        """`Llama4.forward`: compiled for a chain of T <= max(rows) tokens on a cache of this engine, and for a
+        tree of T nodes (tree_mask and positions, batch 1); eager otherwise (a prefill, from an empty cache;
+        explicit positions without a tree)."""
         B, T = tokens.shape
         R = self.bucket(T)
         ours = getattr(cache, "compiled", False)
@@ -497,13 +608,8 @@ class CompiledTarget:
             raise ValueError(
                 f"a chain of {T} tokens: the compiled engine's largest bucket is {self.rows[-1]}"
             )
-        if (
-            R is None
-            or not ours
-            or positions is not None
-            or tree_mask is not None
-            or inputs_embeds is not None
-        ):
+        tree = tree_mask is not None and positions is not None and B == 1
+        if R is None or not ours or inputs_embeds is not None or (positions is not None and not tree):
             return self._eager(tokens, cache, positions, tree_mask, feature_layers, logits, inputs_embeds)
         missing = [i for i in feature_layers if i not in self.feature_layers]
         if missing:
@@ -514,9 +620,15 @@ class CompiledTarget:
             raise RuntimeError(
                 f"KV cache overflow: {R} rows past {int(cache.lengths.max())}, cache holds {cache.max_len}"
             )
+        lo, hi = self.package_rows(R)
+        if tree and self.aot and lo < hi:  # a package of dynamic rows: a tree runs at its node count
+            R = max(T, lo)
         x = tokens.new_zeros(B, R)  # fresh, standard strides: a slice's strides would recompile
         x[:, :T] = tokens
-        lg, feats, h = self.run(R, x, cache)
+        if tree:
+            lg, feats, h = self.run_tree(R, x, cache, positions[0] - cache.lengths, tree_mask[0])
+        else:
+            lg, feats, h = self.run(R, x, cache)
         cache.advance(T)
         lg, feats, h = lg[:, :T], feats[:, :T], h[:, :T]
         if feature_layers:
@@ -561,6 +673,65 @@ class CompiledTarget:
         if t0 is not None:
             self.compile_seconds[R] = time.perf_counter() - t0
         return out
+
+    @torch.no_grad()
+    def run_tree(self, R: int, tokens: Tensor, cache: KVCache, depth: Tensor, tree_mask: Tensor):
+        """The tree graph of bucket R (`_TreeStep`) on tokens [1, R] whose first T are a tree's nodes: depth
+        [T], tree_mask [T, T] (node i sees j iff j is i or an ancestor; ancestors first, by depth)."""
+        if self.step.bmm_rows is None:
+            raise ValueError("compiled tree verifies need a row count that keeps fp32 bmm's bits on this CPU")
+        T, dev = depth.shape[0], self.device
+        order = torch.arange(R, device=dev)
+        anc = torch.where(tree_mask.bool(), order[None, :T], R).sort(-1).values  # [T, T] ancestors by depth
+        anc = torch.cat([anc, order[T:, None].expand(-1, T)], 0)  # the padding: nodes of their own
+        anc = torch.cat([anc, order[:, None].expand(-1, R - T)], 1)
+        anc = torch.where(anc == R, order[:, None], anc)
+        depth = torch.cat([depth.to(dev), depth.new_zeros(R - T)])[None]
+        span = self._span(cache, R)
+        args = (tokens, cache.lengths, depth, anc[None], cache.k, cache.v, span)
+        if self.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+        if self.aot:
+            runner = self._tree_runners.get(R) or self._tree_package(R, args)
+            out = tuple(runner(*args))
+            if self.shared:
+                out = (packed_linear(out[1], self._pk_head, None), *out)
+        else:
+            with torch._inductor.config.patch(self.options), torch._dynamo.config.patch(recompile_limit=64):
+                out = self._tree_fn(*args)
+        if self.device.type == "cuda":
+            out = tuple(t.clone() for t in out)
+        return out
+
+    def _tree_package(self, R: int, args) -> Callable:
+        """The tree graph's AOT package: one of a dynamic node count for every bucket from 2 rows up."""
+        if self._weights is None:
+            self._weights = weights_digest(self.step)
+        lo, hi = self.package_rows(R)
+        same = next((r for r in self._tree_runners if self.package_rows(r) == (lo, hi)), None)
+        if same is not None:
+            self._tree_runners[R] = self._tree_runners[same]
+            return self._tree_runners[R]
+        key = package_key(
+            self._weights,
+            (__file__, model_source),
+            engine="target-tree",
+            config=repr(self.base.config),
+            rows=(lo, hi),
+            slots=self.slots,
+            features=self.feature_layers,
+            bmm_rows=self.step.bmm_rows,
+            options=self.options,
+        )
+        blocks = torch.export.Dim("blocks", min=2, max=self.slots // SPAN)
+        rows = torch.export.Dim("rows", min=lo, max=hi) if hi > lo else None
+        r = {1: rows} if rows is not None else None
+        dynamic = (r, None, r, {1: rows, 2: rows} if rows is not None else None, None, None, {0: blocks})
+        runner, path, _ = load_or_build(self.tree_step, args, dynamic, self.options, key)
+        if self.shared:
+            share_tensors(runner, self.tree_step, path)
+        self._tree_runners[R] = runner
+        return runner
 
     def package_rows(self, R: int) -> tuple[int, int]:
         """The row counts (least, most) of the AOT package that runs bucket R: one package with a dynamic row

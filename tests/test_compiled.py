@@ -482,13 +482,82 @@ def test_speculative_with_the_compiled_draft_equals_plain(engine):
             assert got.stats["spec"].cycles < 32
 
 
+@pytest.fixture(scope="module")
+def tree_engine() -> CompiledTarget:
+    """An engine with a 12-row bucket: trees of up to 11 draft nodes verify in one compiled call."""
+    if not supported():
+        pytest.skip(f"CPU engines refuse torch {torch.__version__}")
+    e = CompiledTarget(make_target(), MAX_LEN, FEATURES, rows=(4, 12))
+    e.compile()
+    return e
+
+
+def random_tree(T: int, g: torch.Generator) -> tuple[list[int], list[int]]:
+    """parents (the root's -1) and depths of a random tree of T nodes, parents before children."""
+    parents, depth = [-1], [0]
+    for i in range(1, T):
+        parents.append(int(torch.randint(0, i, (1,), generator=g)))
+        depth.append(depth[parents[-1]] + 1)
+    return parents, depth
+
+
+def test_tree_nodes_have_the_bits_of_their_paths(tree_engine):
+    """A tree verify on the compiled engine gives every node the logits and features (bit for bit) that a
+    chain verify of its root-to-node path gives, and decoding the path token by token: at prompt lengths
+    whose nodes straddle a SPAN-block edge, and with the window at the span's last blocks."""
+    from eagle3.sampling import tree_attention_mask
+
+    e, g = tree_engine, torch.Generator().manual_seed(0)
+    for n0, T in [(6, 11), (SPAN - 3, 11), (SPAN, 7), (2 * SPAN - 1, 12), (150, 4)]:
+        cache = e.new_cache(1)
+        e(torch.randint(0, 512, (1, n0), generator=g), cache)  # prefill
+        n, k, v = cache.lengths.clone(), cache.k.clone(), cache.v.clone()
+        parents, depth = random_tree(T, g)
+        tokens = torch.randint(0, 512, (T,), generator=g)
+        mask = tree_attention_mask(parents)
+        out = e(tokens[None], cache, positions=(n + torch.tensor(depth))[None], tree_mask=mask[None],
+                feature_layers=FEATURES)  # fmt: skip
+        assert int(cache.lengths) == n0 + T
+        for t in range(T):
+            path = [j for j in range(t + 1) if mask[t, j]]
+            for per_token in (False, True):
+                c = e.new_cache(1)
+                c.k.copy_(k), c.v.copy_(v), c.lengths.copy_(n)
+                calls = [tokens[[j]] for j in path] if per_token else [tokens[path]]
+                for x in calls:
+                    o = e(x[None], c, feature_layers=FEATURES)
+                assert torch.equal(o.logits[0, -1], out.logits[0, t]), (n0, t, depth[t], per_token)
+                assert torch.equal(o.features[0, -1], out.features[0, t]), (n0, t, depth[t], per_token)
+    assert e._tree_runners  # the compiled tree graph ran, not the eager model
+
+
+def test_tree_speculative_equals_plain_on_compiled_engine(tree_engine):
+    """Tree drafting on the compiled engine emits plain decoding's tokens on it: a random draft (rejections)
+    and a draft that knows the continuation (every depth accepted, `test_spec.OracleDraft`)."""
+    from test_spec import OracleDraft
+    from test_spec import make_draft as make_fp32_draft
+
+    e = tree_engine
+    plain = Decoder(e, max_len=MAX_LEN)
+    tree = TreeConfig(depth=4, top_k=3, total_tokens=11)
+    for p in PROMPTS:
+        want = plain.generate([p], 40).tokens[0]
+        got = SpecDecoder(e, make_draft(e.base), max_len=MAX_LEN, tree=tree).generate([p], 40)
+        assert got.tokens[0] == want
+        oracle = make_fp32_draft(e.base, cls=OracleDraft, seq=p + want)
+        got = SpecDecoder(e, oracle, max_len=MAX_LEN, tree=tree).generate([p], 40)
+        assert got.tokens[0] == want
+        assert all(a == 4 for a in got.stats["spec"].accepted[:-1])
+
+
 def test_engine_option_and_refusals(engine):
-    """engine="compiled" wraps a plain model or reuses an engine; trees and bigger caches are refused."""
+    """engine="compiled" wraps a plain model or reuses an engine; bigger caches and trees past the largest
+    bucket are refused."""
     assert compiled_target(engine, MAX_LEN, FEATURES) is engine
     with pytest.raises(ValueError, match="max_len"):
         compiled_target(engine, MAX_LEN * 2)
-    with pytest.raises(ValueError, match="chains"):
-        SpecDecoder(engine, make_draft(engine.base), max_len=MAX_LEN, tree=TreeConfig(2, 2, 4))
+    with pytest.raises(ValueError, match="verifies up to"):
+        SpecDecoder(engine, make_draft(engine.base), max_len=MAX_LEN, tree=TreeConfig(3, 3, engine.rows[-1]))
     with pytest.raises(ValueError, match="engine"):
         Decoder(engine.base, max_len=MAX_LEN, engine="fast")
     with pytest.raises(ValueError, match="dense"):
@@ -534,8 +603,10 @@ def test_real_target_compiled_keeps_tokens():
     decoding (tuned k + prompt lookup) on the compiled engine emits exactly plain decoding's tokens on it;
     against eager decoding the engine is not bit-identical (its attention sums over all cache slots, the
     eager one over the generation's window; measured: greedy outputs part after 8-76 tokens), so it is
-    held to the eager greedy tokens teacher-forced: >= 97% of its next-token argmaxes agree. Minutes of
-    compile on 2 cores the first time."""
+    held to the eager greedy tokens teacher-forced: >= 97% of its next-token argmaxes agree. Tree drafting
+    (7 nodes) emits plain decoding's tokens too: on SmolLM2 a tree graph that computed RoPE from the nodes'
+    depths, not from a table, parted from node 4 on (the tiny models kept their bits). Minutes of compile on
+    2 cores the first time."""
     from eagle3.draft import load_draft
     from eagle3.lookup import LookupConfig
     from eval.bench import DEFAULT_DRAFT
@@ -554,10 +625,12 @@ def test_real_target_compiled_keeps_tokens():
     eager, plain = Decoder(target, max_len=1024), Decoder(e, max_len=1024)
     lookup = LookupConfig(max_tokens=7, streak_tokens=7)
     spec = SpecDecoder(e, draft, 1024, DraftLengthTuner(choices=range(1, 8)), lookup=lookup)
+    tree = SpecDecoder(e, draft, 1024, tree=TreeConfig(depth=3, top_k=3, total_tokens=6))
     agree = total = 0
     for p in prompts:
         want = plain.generate([p], 96, None, eos).tokens[0]
         assert spec.generate([p], 96, None, eos).tokens[0] == want
+        assert tree.generate([p], 96, None, eos).tokens[0] == want
         ref = eager.generate([p], 96, None, eos).tokens[0]
         cache = e.new_cache(1)
         first = e(torch.tensor([p]), cache, logits="last").logits[0, -1].argmax()
