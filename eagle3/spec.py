@@ -151,6 +151,8 @@ class SpecDecoder:
         rows = getattr(target, "rows", None)  # a compiled engine: every verify must fit its largest bucket
         pol = self.policy
         k_max = max(getattr(pol, "choices", None) or [getattr(pol, "k_max", getattr(pol, "k", 8))])
+        if tree is not None:  # a tree's cycles verify its nodes, not the policy's chains
+            k_max = tree.total_tokens
         if lookup is not None:
             k_max = max(k_max, lookup.max_tokens, lookup.streak_tokens)
         if rows is not None and k_max + 1 > rows[-1]:

@@ -556,8 +556,9 @@ def test_engine_option_and_refusals(engine):
     assert compiled_target(engine, MAX_LEN, FEATURES) is engine
     with pytest.raises(ValueError, match="max_len"):
         compiled_target(engine, MAX_LEN * 2)
-    with pytest.raises(ValueError, match="verifies up to"):
+    with pytest.raises(ValueError, match="drafts of up to 4 tokens"):
         SpecDecoder(engine, make_draft(engine.base), max_len=MAX_LEN, tree=TreeConfig(3, 3, engine.rows[-1]))
+    SpecDecoder(engine, make_draft(engine.base), max_len=MAX_LEN, tree=TreeConfig(3, 3, engine.rows[-1] - 1))
     with pytest.raises(ValueError, match="engine"):
         Decoder(engine.base, max_len=MAX_LEN, engine="fast")
     with pytest.raises(ValueError, match="dense"):
