@@ -522,7 +522,9 @@ def test_tree_nodes_have_the_bits_of_their_paths(tree_engine):
             path = [j for j in range(t + 1) if mask[t, j]]
             for per_token in (False, True):
                 c = e.new_cache(1)
-                c.k.copy_(k), c.v.copy_(v), c.lengths.copy_(n)
+                c.k.copy_(k)
+                c.v.copy_(v)
+                c.lengths.copy_(n)
                 calls = [tokens[[j]] for j in path] if per_token else [tokens[path]]
                 for x in calls:
                     o = e(x[None], c, feature_layers=FEATURES)

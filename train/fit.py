@@ -111,9 +111,7 @@ class FitConfig:
     fp8: bool = False
     init_std: float = 0.02
     init_draft: str | None = None  # start from this draft (same target and features; its vocabulary)
-    new_vocab: bool = (
-        False  # with init_draft: the data's draft vocabulary instead, shared tokens' rows carried
-    )
+    new_vocab: bool = False  # with init_draft: the data's vocabulary instead (shared tokens' rows carried)
     eagle31: bool = False  # EAGLE-3.1's norms: one on each aux-layer feature before fc, one on the output
     progress: bool = True
     cpu: bool = False  # train on the CPU even when a GPU is present
@@ -500,12 +498,11 @@ def init_from_draft(
     draft: Eagle3Draft, path: str, features: Callable[[], Sequence[Tensor]] | None = None
 ) -> None:
     """Copy the weights of a saved draft (continued training on more data). Its shapes and features must be
-    the ones this run builds; its vocabulary may differ (`--new-vocab`): lm_head rows of tokens in both vocabularies
-    are carried over, the others keep their fresh initialisation. Its
-    norm variants may differ too (an EAGLE-3 draft carried into an EAGLE-3.1 one): norms that only this
-    draft has keep their fresh weights (1), except a new fc_norm, which `scale_fc_norms` sets from
-    `features()` (some training samples' target features) when given; norms that only the saved one has are
-    dropped, and the log names both."""
+    the ones this run builds; its vocabulary may differ (`--new-vocab`): lm_head rows of tokens in both
+    vocabularies are carried over, the others keep their fresh initialisation. Its norm variants may differ
+    too (an EAGLE-3 draft carried into an EAGLE-3.1 one): norms that only this draft has keep their fresh
+    weights (1), except a new fc_norm, which `scale_fc_norms` sets from `features()` (some training samples'
+    target features) when given; norms that only the saved one has are dropped, and the log names both."""
     src = load_draft(path)
     for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                  "head_dim", "vocab_size", "draft_vocab_size", "target_hidden_size", "feature_layers"):  # fmt: skip
