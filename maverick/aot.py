@@ -22,6 +22,7 @@ import io
 import json
 import os
 import platform
+import shutil
 import warnings
 import zipfile
 from collections.abc import Callable, Iterable
@@ -33,6 +34,8 @@ from torch import Tensor, nn
 from maverick.cli import UserError
 
 AOT_DIR = Path(__file__).resolve().parent.parent / ".cache" / "aoti"
+# inductor's own cache in the repository (maverick.compiled.use_repo_cache points it here)
+INDUCTOR_DIR = AOT_DIR.parent / "inductor"
 # The CPU engines (compiled.py, eagle3/compiled_draft.py) are built and tested on torch 2.13. On 2.11
 # (the lent GPUs' release, tried on this CPU) `torch.export` cannot prove the guards of the steps' dynamic
 # key span (ConstraintViolationError on `blocks`), and with torch.compile instead the buckets' graphs gave
@@ -159,7 +162,25 @@ def load_or_build(
     finally:
         tmp.unlink(missing_ok=True)
     prune(directory, keep=path)
+    clear_inductor_cache()
     return torch._inductor.aoti_load_package(str(path)), path, False
+
+
+def clear_inductor_cache(directory: Path = INDUCTOR_DIR, budget_gib: float | None = None) -> bool:
+    """Delete the repository's inductor cache once it holds more than `budget_gib` ($MAVERICK_INDUCTOR_GIB,
+    default 4): every package build leaves its intermediate sources, libraries and weights there (~0.3 GB
+    for a dense SmolLM2 engine; 18 GB had gathered on one machine), which the packages do not need. A graph
+    already loaded keeps running; the cache refills as graphs are compiled again. Returns whether it was
+    deleted. Only this directory, never one the user chose (TORCHINDUCTOR_CACHE_DIR elsewhere)."""
+    if budget_gib is None:
+        budget_gib = float(os.environ.get("MAVERICK_INDUCTOR_GIB", 4))
+    if not directory.is_dir():
+        return False
+    size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file() and not f.is_symlink())
+    if size <= budget_gib * 2**30:
+        return False
+    shutil.rmtree(directory, ignore_errors=True)
+    return True
 
 
 def prune(directory: Path, keep: Path, budget_gib: float | None = None) -> list[Path]:

@@ -18,7 +18,7 @@ from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.lookup import LookupConfig
 from eagle3.spec import SpecDecoder, TreeConfig
 from eagle3.tuner import DraftLengthTuner, FixedK
-from maverick.aot import load_or_build, prune, supported
+from maverick.aot import clear_inductor_cache, load_or_build, prune, supported
 from maverick.cli import UserError
 from maverick.compiled import SPAN, CompiledTarget, _q4_packs, compiled_target
 from maverick.config import get_config
@@ -233,6 +233,19 @@ def test_prune_keeps_the_most_recent_packages(tmp_path):
     deleted = prune(tmp_path, keep=paths[0], budget_gib=1.5 * 1024 / 2**30)
     assert deleted == [paths[1]]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt2", "c.pt2", "d.123.tmp.pt2"]
+
+
+def test_inductor_cache_is_cleared_past_its_budget(tmp_path):
+    """What package builds leave in the repository's inductor cache is deleted once it outgrows its budget."""
+    cache = tmp_path / "inductor"
+    (cache / "aot" / "x").mkdir(parents=True)
+    (cache / "aot" / "x" / "kernel.so").write_bytes(bytes(3000))
+    (cache / "fxgraph.bin").write_bytes(bytes(1000))
+    assert not clear_inductor_cache(cache, budget_gib=4096 / 2**30)
+    assert (cache / "fxgraph.bin").exists()
+    assert clear_inductor_cache(cache, budget_gib=3999 / 2**30)
+    assert not cache.exists()
+    assert not clear_inductor_cache(cache, budget_gib=0)  # nothing there: nothing to do
 
 
 def test_rows_keep_their_bits_in_every_bucket(engine):
