@@ -168,8 +168,8 @@ def load_or_build(
 
 def clear_inductor_cache(directory: Path = INDUCTOR_DIR, budget_gib: float | None = None) -> bool:
     """Delete the repository's inductor cache once it holds more than `budget_gib` ($MAVERICK_INDUCTOR_GIB,
-    default 4): every package build leaves its intermediate sources, libraries and weights there (~0.3 GB
-    for a dense SmolLM2 engine; 18 GB had gathered on one machine), which the packages do not need. A graph
+    default 4): every package build leaves its intermediate sources, libraries and frozen weights there,
+    which the packages do not need (18 GB had gathered on one machine over many engine builds). A graph
     already loaded keeps running; the cache refills as graphs are compiled again. Returns whether it was
     deleted. Only this directory, never one the user chose (TORCHINDUCTOR_CACHE_DIR elsewhere)."""
     if budget_gib is None:
