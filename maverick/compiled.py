@@ -516,7 +516,7 @@ class CompiledTarget:
             options |= {"max_autotune": autotune, "cpp_wrapper": cpp_wrapper}
         self.options = options
         self._runners: dict[tuple[int, int], Callable] = {}  # AOT: (bucket, batch) -> loaded package
-        self._tree_runners: dict[int, Callable] = {}  # AOT: bucket -> the tree graph's loaded package
+        self._tree_runners: dict[tuple[int, int], Callable] = {}  # AOT: the same, of the tree graph
         self._weights: str | None = None  # AOT: weights_digest of the step, taken at the first package
         self.packages: dict[int, Path] = {}  # AOT: bucket -> the package file it runs
         self.loaded: dict[int, bool] = {}  # AOT: bucket -> whether that package came from disk
@@ -625,10 +625,8 @@ class CompiledTarget:
             R = max(T, lo)
         x = tokens.new_zeros(B, R)  # fresh, standard strides: a slice's strides would recompile
         x[:, :T] = tokens
-        if tree:
-            lg, feats, h = self.run_tree(R, x, cache, positions[0] - cache.lengths, tree_mask[0])
-        else:
-            lg, feats, h = self.run(R, x, cache)
+        nodes = (positions[0] - cache.lengths, tree_mask[0]) if tree else None
+        lg, feats, h = self.run(R, x, cache, nodes)
         cache.advance(T)
         lg, feats, h = lg[:, :T], feats[:, :T], h[:, :T]
         if feature_layers:
@@ -648,36 +646,40 @@ class CompiledTarget:
         return Output(lg, feats, h)
 
     @torch.no_grad()
-    def run(self, R: int, tokens: Tensor, cache: KVCache) -> tuple[Tensor, Tensor, Tensor]:
+    def run(self, R: int, tokens: Tensor, cache: KVCache, tree: tuple[Tensor, Tensor] | None = None):
         """The compiled graph of bucket R on tokens [B, R]; the first call of a bucket compiles it (or loads
-        its AOT package)."""
-        t0 = time.perf_counter() if R not in self.compile_seconds else None
+        its AOT package). tree: (depth [T], tree_mask [T, T]) when the first T tokens are a tree's nodes
+        (batch 1; node i sees j iff j is i or an ancestor; ancestors first, by depth): the tree graph
+        (`_TreeStep`) runs instead."""
+        t0 = time.perf_counter() if tree is None and R not in self.compile_seconds else None
+        span = self._span(cache, R)
+        if tree is None:
+            args = (tokens, cache.lengths, cache.k, cache.v, span)
+            fn, runners = self._fn, self._runners
+        else:
+            args = (tokens, cache.lengths, *self._tree_inputs(R, *tree), cache.k, cache.v, span)
+            fn, runners = self._tree_fn, self._tree_runners
         if self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
-        span = self._span(cache, R)
         if self.aot:
-            runner = self._runners.get((R, tokens.shape[0])) or self._package(R, tokens, cache, span)
-            out = tuple(runner(tokens, cache.lengths, cache.k, cache.v, span))
-            if self.shared:  # features, hidden: the head applied here
-                out = (
-                    packed_linear(out[1], self._pk_head, None),
-                    *out,
-                )  # packed_matmul's op, called directly
+            runner = runners.get((R, tokens.shape[0])) or self._package(R, args, tree is not None)
+            out = tuple(runner(*args))
+            if self.shared:  # features, hidden: the head applied here (packed_matmul's op, called directly)
+                out = (packed_linear(out[1], self._pk_head, None), *out)
         else:
             # inductor's options patched here: passed to torch.compile they skip freezing (2.13); each bucket
             # is a recompile of the engine's own code object (`_own_forward`), past dynamo's default limit of 8
             with torch._inductor.config.patch(self.options), torch._dynamo.config.patch(recompile_limit=64):
-                out = self._fn(tokens, cache.lengths, cache.k, cache.v, span)
+                out = fn(*args)
         if self.device.type == "cuda":  # the next replay overwrites a CUDA graph's outputs
             out = tuple(t.clone() for t in out)
         if t0 is not None:
             self.compile_seconds[R] = time.perf_counter() - t0
         return out
 
-    @torch.no_grad()
-    def run_tree(self, R: int, tokens: Tensor, cache: KVCache, depth: Tensor, tree_mask: Tensor):
-        """The tree graph of bucket R (`_TreeStep`) on tokens [1, R] whose first T are a tree's nodes: depth
-        [T], tree_mask [T, T] (node i sees j iff j is i or an ancestor; ancestors first, by depth)."""
+    def _tree_inputs(self, R: int, depth: Tensor, tree_mask: Tensor) -> tuple[Tensor, Tensor]:
+        """The tree graph's depth [1, R] and ancestors [1, R, R] (each node's, by depth, then itself repeated)
+        for a tree of T <= R nodes; the R - T padding rows are nodes of their own at depth 0."""
         if self.step.bmm_rows is None:
             raise ValueError("compiled tree verifies need a row count that keeps fp32 bmm's bits on this CPU")
         T, dev = depth.shape[0], self.device
@@ -687,51 +689,7 @@ class CompiledTarget:
         anc = torch.cat([anc, order[:, None].expand(-1, R - T)], 1)
         anc = torch.where(anc == R, order[:, None], anc)
         depth = torch.cat([depth.to(dev), depth.new_zeros(R - T)])[None]
-        span = self._span(cache, R)
-        args = (tokens, cache.lengths, depth, anc[None], cache.k, cache.v, span)
-        if self.device.type == "cuda":
-            torch.compiler.cudagraph_mark_step_begin()
-        if self.aot:
-            runner = self._tree_runners.get(R) or self._tree_package(R, args)
-            out = tuple(runner(*args))
-            if self.shared:
-                out = (packed_linear(out[1], self._pk_head, None), *out)
-        else:
-            with torch._inductor.config.patch(self.options), torch._dynamo.config.patch(recompile_limit=64):
-                out = self._tree_fn(*args)
-        if self.device.type == "cuda":
-            out = tuple(t.clone() for t in out)
-        return out
-
-    def _tree_package(self, R: int, args) -> Callable:
-        """The tree graph's AOT package: one of a dynamic node count for every bucket from 2 rows up."""
-        if self._weights is None:
-            self._weights = weights_digest(self.step)
-        lo, hi = self.package_rows(R)
-        same = next((r for r in self._tree_runners if self.package_rows(r) == (lo, hi)), None)
-        if same is not None:
-            self._tree_runners[R] = self._tree_runners[same]
-            return self._tree_runners[R]
-        key = package_key(
-            self._weights,
-            (__file__, model_source),
-            engine="target-tree",
-            config=repr(self.base.config),
-            rows=(lo, hi),
-            slots=self.slots,
-            features=self.feature_layers,
-            bmm_rows=self.step.bmm_rows,
-            options=self.options,
-        )
-        blocks = torch.export.Dim("blocks", min=2, max=self.slots // SPAN)
-        rows = torch.export.Dim("rows", min=lo, max=hi) if hi > lo else None
-        r = {1: rows} if rows is not None else None
-        dynamic = (r, None, r, {1: rows, 2: rows} if rows is not None else None, None, None, {0: blocks})
-        runner, path, _ = load_or_build(self.tree_step, args, dynamic, self.options, key)
-        if self.shared:
-            share_tensors(runner, self.tree_step, path)
-        self._tree_runners[R] = runner
-        return runner
+        return depth, anc[None]
 
     def package_rows(self, R: int) -> tuple[int, int]:
         """The row counts (least, most) of the AOT package that runs bucket R: one package with a dynamic row
@@ -740,26 +698,27 @@ class CompiledTarget:
         many = [r for r in self.rows if r >= MIN_DYNAMIC_ROWS]
         return (many[0], many[-1]) if R >= MIN_DYNAMIC_ROWS and len(many) > 1 else (R, R)
 
-    def _package(self, R: int, tokens: Tensor, cache: KVCache, span: Tensor) -> Callable:
-        """Bucket R's AOTInductor package for this batch size (maverick/aot.py): loaded from disk when this
-        engine's weights, shapes, options and source were compiled before, else exported and compiled. Its
-        rows are `package_rows(R)`: measured on SmolLM2 (bf16 and 4-bit), the dynamic package gives every
-        bucket the bits of a package built for that bucket alone, within 3% of its step time."""
+    def _package(self, R: int, args: tuple, tree: bool = False) -> Callable:
+        """Bucket R's AOTInductor package (of the tree graph when `tree`) for this batch size (maverick/aot.py):
+        loaded from disk when this engine's weights, shapes, options and source were compiled before, else
+        exported and compiled. Its rows are `package_rows(R)`: measured on SmolLM2 (bf16 and 4-bit), the
+        dynamic package gives every bucket the bits of a package built for that bucket alone, within 3% of its
+        step time."""
         if self._weights is None:
             self._weights = weights_digest(self.step)
-        B = tokens.shape[0]
+        step, runners = (self.tree_step, self._tree_runners) if tree else (self.step, self._runners)
+        B = args[0].shape[0]
         lo, hi = self.package_rows(R)
-        same = next(
-            (r for r in self.rows if (r, B) in self._runners and self.package_rows(r) == (lo, hi)), None
-        )
+        same = next((r for r, b in runners if b == B and self.package_rows(r) == (lo, hi)), None)
         if same is not None:  # another bucket's package: the same one
-            self.packages[R], self.loaded[R] = self.packages[same], self.loaded[same]
-            self._runners[(R, B)] = self._runners[(same, B)]
-            return self._runners[(R, B)]
+            runners[(R, B)] = runners[(same, B)]
+            if not tree:
+                self.packages[R], self.loaded[R] = self.packages[same], self.loaded[same]
+            return runners[(R, B)]
         key = package_key(
             self._weights,
             (__file__, model_source),
-            engine="target",
+            engine="target-tree" if tree else "target",
             config=repr(self.base.config),  # what shapes the graph beyond its weights: eps, RoPE, ...
             rows=(lo, hi),
             batch=B,
@@ -768,14 +727,19 @@ class CompiledTarget:
             bmm_rows=self.step.bmm_rows,
             options=self.options,
         )
-        blocks = torch.export.Dim("blocks", min=2, max=self.slots // SPAN)
-        rows = {1: torch.export.Dim("rows", min=lo, max=hi)} if hi > lo else None
-        args = (tokens, cache.lengths, cache.k, cache.v, span)
-        dynamic = (rows, None, None, None, {0: blocks})
-        runner, self.packages[R], self.loaded[R] = load_or_build(self.step, args, dynamic, self.options, key)
+        blocks = {0: torch.export.Dim("blocks", min=2, max=self.slots // SPAN)}
+        dim = torch.export.Dim("rows", min=lo, max=hi) if hi > lo else None
+        rows = {1: dim} if dim is not None else None
+        if tree:  # tokens, lengths, depth, ancestors, k, v, span
+            dynamic = (rows, None, rows, {1: dim, 2: dim} if dim is not None else None, None, None, blocks)
+        else:  # tokens, lengths, k, v, span
+            dynamic = (rows, None, None, None, blocks)
+        runner, path, loaded = load_or_build(step, args, dynamic, self.options, key)
         if self.shared:
-            share_tensors(runner, self.step, self.packages[R])
-        self._runners[(R, B)] = runner
+            share_tensors(runner, step, path)
+        if not tree:
+            self.packages[R], self.loaded[R] = path, loaded
+        runners[(R, B)] = runner
         return runner
 
     def _span(self, cache: KVCache, R: int) -> Tensor:
