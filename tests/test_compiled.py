@@ -163,9 +163,10 @@ def test_aot_packages_are_named_by_their_weights(engine):
 @cpu_engines
 @pytest.mark.parametrize("q4", [False, True])
 def test_buckets_share_one_package_with_the_bits_of_their_own(q4, monkeypatch):
-    """The buckets of 2 rows and more run one AOT package of a dynamic row count (a 1-row bucket its own):
-    every bucket's logits, features and cache writes have the bits of a package built for that bucket
-    alone, dense (frozen weights: one copy instead of one per bucket) and 4-bit (the model's tensors)."""
+    """The buckets of 2 rows and more run one AOT package of a dynamic row count (a 1-row bucket its own),
+    and a call runs it at its own row count, unpadded: every call's logits, features and cache writes have
+    the bits of a package built for its bucket alone, padded, dense (frozen weights: one copy instead of one
+    per bucket) and 4-bit (the model's tensors)."""
     make = q4_target if q4 else make_target
     e = CompiledTarget(make(), MAX_LEN, FEATURES, rows=(4, 8))
     e.compile()
@@ -173,19 +174,22 @@ def test_buckets_share_one_package_with_the_bits_of_their_own(q4, monkeypatch):
     assert len(many) >= 2 and len({e.packages[r] for r in many}) == 1
     assert len({id(e._runners[(r, 1)]) for r in many}) == 1
     assert all(e.packages[r] != e.packages[many[0]] for r in e.rows if r < 2)
-    monkeypatch.setattr(CompiledTarget, "package_rows", lambda self, R: (R, R))
     alone = CompiledTarget(make(), MAX_LEN, FEATURES, rows=(4, 8))
+    monkeypatch.setattr(alone, "package_rows", lambda R: (R, R))
     alone.compile()
     assert len({alone.packages[r] for r in many}) == len(many)
     x = torch.tensor([PROMPTS[1]])
-    for R in many:
+    assert x.shape[1] >= 8 + many[-1]
+    for T in range(2, many[-1] + 1):
+        assert e.bucket(T) == max(T, many[0]) and alone.bucket(T) in many
         outs = []
         for eng in (e, alone):
             cache = eng.new_cache(1)
             eng(x[:, :8], cache)
-            out = eng(x[:, 8 : 8 + R], cache, feature_layers=FEATURES)
-            outs.append((out.logits, out.features, cache.k[:, :, :, : 8 + R].clone()))
-        assert all(torch.equal(a, b) for a, b in zip(*outs)), f"bucket {R}"
+            out = eng(x[:, 8 : 8 + T], cache, feature_layers=FEATURES)
+            outs.append((out.logits, out.features, cache.k[:, :, :, : 8 + T].clone()))
+        assert all(torch.equal(a, b) for a, b in zip(*outs)), f"{T} rows (bucket {alone.bucket(T)})"
+    assert e._runners[(5, 1)] is e._runners[(many[0], 1)]  # 5 rows ran the package of dynamic rows
 
 
 def test_an_interrupted_package_build_leaves_nothing(tmp_path, monkeypatch):
@@ -266,7 +270,7 @@ def test_rows_keep_their_bits_in_every_bucket(engine):
     ref_feats = torch.cat([o.features for o in one], 1)
     seen = set()
     for T in range(2, chain.shape[1] + 1):
-        seen.add(engine.bucket(T))
+        seen.add(next(r for r in engine.rows if r >= T))
         out = engine(chain[:, :T], fresh(), feature_layers=FEATURES)
         assert torch.equal(out.logits, ref_logits[:, :T]), (
             f"logits differ for T={T} (bucket {engine.bucket(T)})"
