@@ -126,6 +126,7 @@ class SpecDecoder:
         target = for_engine(target, engine, max_len, draft.config.feature_layers)
         if tree is not None and getattr(target, "compiled", False) and target.device.type == "cuda":
             # a GPU engine runs every chain call in one graph; the tree graph's bits there are not yet measured
+            # (maverick.compiled.tree_mismatches: scripts/gpu_decode.py --tree-check, a CUDA test)
             raise ValueError("compiled tree verifies are checked on CPU engines only; on CUDA verify chains")
         if datastore is not None and lookup is None:
             raise ValueError("a datastore extends prompt lookup: pass lookup=LookupConfig() with it")

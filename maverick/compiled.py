@@ -781,6 +781,52 @@ class CompiledTarget:
         return dict(self.compile_seconds)
 
 
+def tree_mismatches(
+    engine: CompiledTarget, cases: Sequence[tuple[int, int]], seed: int = 0, vocab: int | None = None
+) -> list[dict]:
+    """Where a tree verify on `engine` does not give a node the logits and features (bit for bit) of its
+    root-to-node path verified as a chain, and decoded token by token: per case (prompt tokens, nodes), a
+    random prompt and a random tree on fresh caches. [] when every node of every case keeps the bits.
+    A measurement an engine must pass before speculative decoding takes trees on it (tests; the GPU
+    script's --tree-check)."""
+    from eagle3.sampling import tree_attention_mask
+
+    g = torch.Generator().manual_seed(seed)
+    V = vocab or engine.config.vocab_size
+    feats = engine.feature_layers
+    bad = []
+    cache, c = engine.new_cache(1), engine.new_cache(1)  # two caches, reused: CUDA graphs keep addresses
+    for n0, T in cases:
+        cache.lengths.zero_()
+        engine(torch.randint(0, V, (1, n0), generator=g).to(engine.device), cache)  # prefill
+        n, k, v = cache.lengths.clone(), cache.k.clone(), cache.v.clone()
+        parents, depth = [-1], [0]
+        for i in range(1, T):
+            parents.append(int(torch.randint(0, i, (1,), generator=g)))
+            depth.append(depth[parents[-1]] + 1)
+        tokens = torch.randint(0, V, (T,), generator=g).to(engine.device)
+        mask = tree_attention_mask(parents).to(engine.device)
+        pos = (n + torch.tensor(depth, device=engine.device))[None]
+        out = engine(tokens[None], cache, positions=pos, tree_mask=mask[None], feature_layers=feats)
+        if int(cache.lengths) != n0 + T:
+            raise RuntimeError(
+                f"a tree of {T} nodes advanced the cache to {int(cache.lengths)}, not {n0 + T}"
+            )
+        for t in range(T):
+            path = [j for j in range(t + 1) if mask[t, j]]
+            for per_token in (False, True):
+                c.k.copy_(k)
+                c.v.copy_(v)
+                c.lengths.copy_(n)
+                for x in [tokens[[j]] for j in path] if per_token else [tokens[path]]:
+                    o = engine(x[None], c, feature_layers=feats)
+                same = torch.equal(o.logits[0, -1], out.logits[0, t])
+                if not (same and torch.equal(o.features[0, -1], out.features[0, t])):
+                    way = "tokens" if per_token else "chain"
+                    bad.append({"prompt": n0, "node": t, "depth": depth[t], "against": way, "logits": same})
+    return bad
+
+
 def span_carrier(spans: dict[int, Tensor], slots: int, device, dynamic: bool = True) -> Tensor:
     """The shape carrier of a compiled call's key span: `slots` in blocks of SPAN (at least 2: a dynamic size
     of 1 would be specialised, a second graph), an empty tensor of one row per block whose length the graph

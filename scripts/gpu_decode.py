@@ -16,6 +16,11 @@ eager-plain, eager-eagle3 (tuned draft length + prompt lookup), compiled-plain (
 CUDA graphs), compiled-eagle3 (the same on the compiled target, the draft step compiled with CUDA graphs).
 Compile seconds are reported apart from the decoding time. A method that fails is reported with its error
 and the others still run.
+
+--tree-check measures, before the methods, whether tree verifies on the compiled engine give every node
+the bits of its path verified as a chain and decoded token by token (`maverick.compiled.tree_mismatches`:
+4 SmolLM2 trees of 8-13 nodes, 47 nodes, each against both), into the JSON's `tree_check`. Speculative
+decoding refuses trees on a CUDA engine until this is 0 there (eagle3/spec.py).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default="eager-plain,eager-eagle3,compiled-plain,compiled-eagle3")
     ap.add_argument("--rows", default="4,8,16,24", help="the engine's buckets (CUDA runs the largest only)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script's logic")
+    ap.add_argument("--tree-check", action="store_true", help="tree nodes' bits on the compiled engine first")
     ap.add_argument("--out", default=os.environ.get("OUT", "results/gpu"))
     args = ap.parse_args(argv)
     if args.prepare:
@@ -73,7 +79,7 @@ def main(argv=None) -> int:
         return 2
 
     from eagle3.draft import load_draft
-    from maverick.compiled import CompiledTarget
+    from maverick.compiled import CompiledTarget, tree_mismatches
     from maverick.generate import Decoder
     from maverick.gguf_model import load_gguf_model
 
@@ -100,6 +106,17 @@ def main(argv=None) -> int:
         except Exception:
             errors["compile"] = traceback.format_exc(limit=8)
     result["compile_total_s"] = time.perf_counter() - t0
+    if args.tree_check and engine is not None:
+        t = time.perf_counter()
+        try:
+            cases = [(30, 13), (61, 13), (100, 8), (200, 13)]
+            bad = tree_mismatches(engine, cases)
+            nodes = sum(T for _, T in cases)
+            result["tree_check"] = {"cases": cases, "nodes": nodes, "mismatches": bad}
+            result["tree_check"]["seconds"] = time.perf_counter() - t
+            print(f"tree check: {len(bad)} of {2 * nodes} node comparisons differ", flush=True)
+        except Exception:
+            errors["tree-check"] = traceback.format_exc(limit=8)
     for m in methods:
         tgt = engine if m.startswith("compiled") else target
         if tgt is None:

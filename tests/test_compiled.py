@@ -20,7 +20,7 @@ from eagle3.spec import SpecDecoder, TreeConfig
 from eagle3.tuner import DraftLengthTuner, FixedK
 from maverick.aot import clear_inductor_cache, load_or_build, prune, supported
 from maverick.cli import UserError
-from maverick.compiled import SPAN, CompiledTarget, _q4_packs, compiled_target
+from maverick.compiled import SPAN, CompiledTarget, _q4_packs, compiled_target, tree_mismatches
 from maverick.config import get_config
 from maverick.generate import Decoder
 from maverick.model import Llama4
@@ -509,45 +509,39 @@ def tree_engine() -> CompiledTarget:
     return e
 
 
-def random_tree(T: int, g: torch.Generator) -> tuple[list[int], list[int]]:
-    """parents (the root's -1) and depths of a random tree of T nodes, parents before children."""
-    parents, depth = [-1], [0]
-    for i in range(1, T):
-        parents.append(int(torch.randint(0, i, (1,), generator=g)))
-        depth.append(depth[parents[-1]] + 1)
-    return parents, depth
+TREE_CASES = [(6, 11), (SPAN - 3, 11), (SPAN, 7), (2 * SPAN - 1, 12), (150, 4)]
 
 
 def test_tree_nodes_have_the_bits_of_their_paths(tree_engine):
     """A tree verify on the compiled engine gives every node the logits and features (bit for bit) that a
     chain verify of its root-to-node path gives, and decoding the path token by token: at prompt lengths
     whose nodes straddle a SPAN-block edge, and with the window at the span's last blocks."""
-    from eagle3.sampling import tree_attention_mask
+    assert tree_mismatches(tree_engine, TREE_CASES, vocab=512) == []
+    assert tree_engine._tree_runners  # the compiled tree graph ran, not the eager model
 
-    e, g = tree_engine, torch.Generator().manual_seed(0)
-    for n0, T in [(6, 11), (SPAN - 3, 11), (SPAN, 7), (2 * SPAN - 1, 12), (150, 4)]:
-        cache = e.new_cache(1)
-        e(torch.randint(0, 512, (1, n0), generator=g), cache)  # prefill
-        n, k, v = cache.lengths.clone(), cache.k.clone(), cache.v.clone()
-        parents, depth = random_tree(T, g)
-        tokens = torch.randint(0, 512, (T,), generator=g)
-        mask = tree_attention_mask(parents)
-        out = e(tokens[None], cache, positions=(n + torch.tensor(depth))[None], tree_mask=mask[None],
-                feature_layers=FEATURES)  # fmt: skip
-        assert int(cache.lengths) == n0 + T
-        for t in range(T):
-            path = [j for j in range(t + 1) if mask[t, j]]
-            for per_token in (False, True):
-                c = e.new_cache(1)
-                c.k.copy_(k)
-                c.v.copy_(v)
-                c.lengths.copy_(n)
-                calls = [tokens[[j]] for j in path] if per_token else [tokens[path]]
-                for x in calls:
-                    o = e(x[None], c, feature_layers=FEATURES)
-                assert torch.equal(o.logits[0, -1], out.logits[0, t]), (n0, t, depth[t], per_token)
-                assert torch.equal(o.features[0, -1], out.features[0, t]), (n0, t, depth[t], per_token)
-    assert e._tree_runners  # the compiled tree graph ran, not the eager model
+
+@cpu_engines
+def test_tree_nodes_keep_their_bits_under_torch_compile():
+    """The same on an engine of torch.compile graphs instead of AOT packages (aot=False): the path a CUDA
+    engine takes, there with CUDA graphs, whose trees stay refused until `tree_mismatches` passes on a GPU."""
+    e = CompiledTarget(make_target(), MAX_LEN, FEATURES, rows=(4, 12), aot=False)
+    assert tree_mismatches(e, TREE_CASES, vocab=512) == []
+    assert not e._tree_runners
+
+
+def test_tree_mismatches_sees_a_wrong_node(tree_engine, monkeypatch):
+    """The check itself: a tree graph whose logits are off by one ulp at one node is reported there."""
+    run = CompiledTarget.run
+
+    def off(self, R, tokens, cache, tree=None):
+        out = run(self, R, tokens, cache, tree)
+        if tree is not None:
+            out[0][0, 2] = out[0][0, 2].nextafter(out[0][0, 2] + 1)
+        return out
+
+    monkeypatch.setattr(CompiledTarget, "run", off)
+    bad = tree_mismatches(tree_engine, [(6, 4)], vocab=512)
+    assert {b["node"] for b in bad} == {2} and all(not b["logits"] for b in bad)
 
 
 def test_tree_speculative_equals_plain_on_compiled_engine(tree_engine):
@@ -614,6 +608,15 @@ def test_cuda_graph_engine_keeps_the_bits():
         want = plain.generate([p], 40).tokens[0]
         assert spec.generate([p], 40).tokens[0] == want
         assert eager.generate([p], 40).tokens[0] == want
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_engine_tree_nodes_keep_their_bits():
+    """What must hold before speculative decoding takes trees on a CUDA engine (refused until measured):
+    every tree node gets its path's bits, the tree graph replayed as a CUDA graph."""
+    e = CompiledTarget(make_target().cuda(), MAX_LEN, FEATURES, rows=(12,))
+    assert tree_mismatches(e, TREE_CASES, vocab=512) == []
 
 
 @pytest.mark.slow
