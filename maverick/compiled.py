@@ -84,6 +84,7 @@ import time
 import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -209,6 +210,20 @@ def _groups(model: Llama4):
         yield f"{i}_down", (f.down_proj,)
 
 
+class _Call(NamedTuple):
+    """What every layer's attention reads of one compiled call (`_Step.layers`)."""
+
+    write: Tensor  # [B, T]: the cache slots of the new keys and values
+    tree: tuple[Tensor, Tensor] | None  # `_TreeStep`'s (keys, window), None for a chain
+    cos: Tensor  # [B, T, 1, D]: RoPE at the positions
+    sin: Tensor
+    temperature: Tensor | None  # [B, T]: the NoPE layers' scale, None without them
+    k_cache: Tensor  # [L, B, Hkv, slots, D]
+    v_cache: Tensor
+    S: int  # the slots attended to
+    rows: Tensor  # [B, 1]: the batch index of each row
+
+
 class _Step(nn.Module):
     """One forward of T new tokens per row at cache slots (= positions) start .. start + T - 1, every
     layer dense. A module, so that inductor's freezing sees the weights as parameters; the caches are
@@ -273,6 +288,7 @@ class _Step(nn.Module):
             same = slot[None, None, :] // C == pos[:, :, None] // C
             chunk_bias = torch.where(visible & same, 0.0, float("-inf"))[:, None, None]
         rows = torch.arange(B, device=dev)[:, None]
+        call = _Call(write, tree, cos, sin, temperature, k_cache, v_cache, S, rows)
         x = m.model.embed_tokens(tokens)
         feats: dict[int, Tensor] = {}  # layer -> the state entering it
         for i, layer in enumerate(m.model.layers):
@@ -281,22 +297,7 @@ class _Step(nn.Module):
             a, f = layer.self_attn, layer.feed_forward
             h = layer.input_layernorm(x)
             qkv = self._linear(h, f"{i}_qkv", (a.q_proj, a.k_proj, a.v_proj))
-            o = self._attend(
-                a,
-                qkv,
-                temperature,
-                write,
-                tree,
-                cos,
-                sin,
-                chunk_bias if a.chunked else bias,
-                k_cache,
-                v_cache,
-                S,
-                i,
-                rows,
-                self.bmm_rows,
-            )
+            o = self._attend(a, qkv, i, chunk_bias if a.chunked else bias, call)
             x = x + self._linear(o, f"{i}_o", (a.o_proj,))
             h = layer.post_attention_layernorm(x)
             gate_up = self._linear(h, f"{i}_gate_up", (f.gate_proj, f.up_proj))
@@ -325,26 +326,13 @@ class _Step(nn.Module):
         y = ys[0] if len(ys) == 1 else torch.cat(ys, -1)
         return y.view(*x.shape[:-1], y.shape[-1])
 
-    @staticmethod
-    def _attend(
-        a,
-        qkv,
-        temperature,
-        write,
-        tree,
-        cos,
-        sin,
-        bias,
-        k_cache,
-        v_cache,
-        S,
-        layer: int,
-        rows,
-        min_rows: int | None,
-    ) -> Tensor:
+    def _attend(self, a, qkv: Tensor, layer: int, bias: Tensor, call: _Call) -> Tensor:
         """`Attention.attend` for the compiled step: qkv [B, T, (Hq + 2 Hkv) D] -> [B, T, Hq D]; this layer's
-        cache k/v written at slots `write`; attention in fp32 over the first S slots, `bias` masking (in each
-        row's chain order: a tree's rows see their ancestors at the slots of their positions, `_tree_attend`)."""
+        cache k/v written at slots `call.write`; attention in fp32 over the first `call.S` slots, `bias`
+        masking (in each row's chain order: a tree's rows see their ancestors at the slots of their positions,
+        `_tree_attend`)."""
+        write, tree, cos, sin, temperature, k_cache, v_cache, S, rows = call
+        min_rows = self.bmm_rows
         B, T, _ = qkv.shape
         Hq, Hkv, D = a.n_heads, a.n_kv, a.head_dim
         G = Hq // Hkv
