@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from eagle3.draft import NORM_VARIANTS, DraftConfig, Eagle3Draft, load_draft, read_json, save_draft
+from eagle3.draft import NORM_VARIANTS, DraftConfig, Eagle3Draft, load_draft, save_draft
 from maverick.checkpoint import atomic_dir
 from maverick.cli import UserError, positive_int, run_cli
 from maverick.config import Llama4Config
@@ -462,13 +462,11 @@ def build_draft(
     data: TrainData | None = None,
 ) -> Eagle3Draft:
     variants = dict(EAGLE31) if cfg.eagle31 else {}
-    init_cfg = Path(cfg.init_draft or "") / "config.json"
-    if cfg.init_draft and init_cfg.is_file():  # its norm variants stay (--eagle-3.1 may add to them)
-        src = DraftConfig.from_hf_dict(read_json(init_cfg), source=str(init_cfg))
-        variants |= {k: True for k in NORM_VARIANTS if getattr(src, k)}
-    if cfg.init_draft and not cfg.new_vocab:  # a continued draft keeps its vocabulary, as in train.stage
-        src_draft = load_draft(cfg.init_draft)
-        d2t, t2d = src_draft.d2t.cpu(), src_draft.t2d.cpu()
+    src = load_draft(cfg.init_draft) if cfg.init_draft else None
+    if src is not None:  # its norm variants stay (--eagle-3.1 may add to them)
+        variants |= {k: True for k in NORM_VARIANTS if getattr(src.config, k)}
+    if src is not None and not cfg.new_vocab:  # a continued draft keeps its vocabulary, as in train.stage
+        d2t, t2d = src.d2t.cpu(), src.t2d.cpu()
         log.info("%s: its draft vocabulary (%d tokens) is kept", cfg.init_draft, d2t.numel())
     dcfg = DraftConfig.for_target(
         target_cfg, draft_vocab_size=int(d2t.numel()), feature_layers=feature_layers, **variants
@@ -476,13 +474,13 @@ def build_draft(
     draft = Eagle3Draft(dcfg)
     draft.init_weights(std=cfg.init_std, generator=torch.Generator().manual_seed(cfg.seed))
     draft.set_vocab(d2t, t2d)
-    if cfg.init_draft:
+    if src is not None:
         first = (
             (lambda: [s["features"] for s in data.fetch(range(min(16, len(data))))])
             if data is not None
             else None
         )
-        init_from_draft(draft, cfg.init_draft, first)
+        init_from_draft(draft, cfg.init_draft, first, src)
     if cfg.fp8:
         from maverick.fp8 import Fp8Recipe, convert_to_fp8, default_fp8_filter
 
@@ -495,15 +493,19 @@ EAGLE31 = {"fc_norm": True, "norm_output": True}  # the DraftConfig fields of EA
 
 
 def init_from_draft(
-    draft: Eagle3Draft, path: str, features: Callable[[], Sequence[Tensor]] | None = None
+    draft: Eagle3Draft,
+    path: str,
+    features: Callable[[], Sequence[Tensor]] | None = None,
+    src: Eagle3Draft | None = None,
 ) -> None:
     """Copy the weights of a saved draft (continued training on more data). Its shapes and features must be
     the ones this run builds; its vocabulary may differ (`--new-vocab`): lm_head rows of tokens in both
     vocabularies are carried over, the others keep their fresh initialisation. Its norm variants may differ
     too (an EAGLE-3 draft carried into an EAGLE-3.1 one): norms that only this draft has keep their fresh
     weights (1), except a new fc_norm, which `scale_fc_norms` sets from `features()` (some training samples'
-    target features) when given; norms that only the saved one has are dropped, and the log names both."""
-    src = load_draft(path)
+    target features) when given; norms that only the saved one has are dropped, and the log names both.
+    src: the draft at `path`, when the caller has loaded it already."""
+    src = load_draft(path) if src is None else src
     for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                  "head_dim", "vocab_size", "draft_vocab_size", "target_hidden_size", "feature_layers"):  # fmt: skip
         mine, theirs = getattr(draft.config, name), getattr(src.config, name)
