@@ -57,10 +57,10 @@ an AOT package of dynamic rows, the call runs it at T rows, unpadded (`bucket`):
 of its bucket's padded call (tested; on SmolLM2 every T of 2-24 against decoding token by token, bf16
 and 4-bit), and on the 4-bit engine 5 rows cost 9.9 ms where the 8-row bucket costs 11.4. Greedy
 speculative decoding is bit-exact with plain decoding on this engine only if a token's logits have the
-same bits in every bucket; the smallest bucket is the smallest row count from which oneDNN's bf16 matmuls keep each
-row's bits (`maverick.linear.invariant_rows`: 1 on the Xeon with AMX, 2 on AMD Zen 4 for the dense
-model, whose down projection needs 2; 1 for the 4-bit model, whose one dense matmul is the head), and
-tests/test_compiled.py measures the invariance of the compiled graphs themselves.
+same bits in every bucket; the smallest bucket is the smallest row count from which oneDNN's bf16
+matmuls keep each row's bits (`maverick.linear.invariant_rows`: 1 on the Xeon with AMX, 2 on AMD Zen 4
+for the dense model, whose down projection needs 2; 1 for the 4-bit model, whose one dense matmul is the
+head), and tests/test_compiled.py measures the invariance of the compiled graphs themselves.
 
 Attention reads the slots in use, not the whole cache: a call attends to the committed length plus its
 rows rounded up to blocks of SPAN slots, a dynamic dimension (one graph per bucket serves every length;
@@ -641,8 +641,8 @@ class CompiledTarget:
 
     @torch.no_grad()
     def run(self, R: int, tokens: Tensor, cache: KVCache, tree: tuple[Tensor, Tensor] | None = None):
-        """The compiled graph of bucket R on tokens [B, R]; the first call of a bucket compiles it (or loads
-        its AOT package). tree: (depth [T], tree_mask [T, T]) when the first T tokens are a tree's nodes
+        """The compiled graph on tokens [B, R] (R: a bucket, or a row count of a package of dynamic rows,
+        `bucket`); the first call of a package compiles it (or loads it from disk). tree: (depth [T], tree_mask [T, T]) when the first T tokens are a tree's nodes
         (batch 1; node i sees j iff j is i or an ancestor; ancestors first, by depth): the tree graph
         (`_TreeStep`) runs instead."""
         first = tree is None and R in self.rows and R not in self.compile_seconds
@@ -722,15 +722,8 @@ class CompiledTarget:
             dim = torch.export.Dim("rows", min=lo, max=hi) if hi > lo else None
             rows = {1: dim} if dim is not None else None
             if tree:  # tokens, lengths, depth, ancestors, k, v, span
-                dynamic = (
-                    rows,
-                    None,
-                    rows,
-                    {1: dim, 2: dim} if dim is not None else None,
-                    None,
-                    None,
-                    blocks,
-                )
+                square = {1: dim, 2: dim} if dim is not None else None
+                dynamic = (rows, None, rows, square, None, None, blocks)
             else:  # tokens, lengths, k, v, span
                 dynamic = (rows, None, None, None, blocks)
             built = self._built[(tree, lo, hi, B)] = load_or_build(step, args, dynamic, self.options, key)
@@ -774,7 +767,7 @@ def tree_mismatches(
 ) -> list[dict]:
     """Where a tree verify on `engine` does not give a node the logits and features (bit for bit) of its
     root-to-node path verified as a chain, and decoded token by token: per case (prompt tokens, nodes), a
-    random prompt and a random tree on fresh caches. [] when every node of every case keeps the bits.
+    random prompt and a random tree. [] when every node of every case keeps the bits.
     A measurement an engine must pass before speculative decoding takes trees on it (tests; the GPU
     script's --tree-check)."""
     from eagle3.sampling import tree_attention_mask
