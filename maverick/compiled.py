@@ -770,8 +770,6 @@ def tree_mismatches(
     random prompt and a random tree. [] when every node of every case keeps the bits.
     A measurement an engine must pass before speculative decoding takes trees on it (tests; the GPU
     script's --tree-check)."""
-    from eagle3.sampling import tree_attention_mask
-
     g = torch.Generator().manual_seed(seed)
     V = vocab or engine.config.vocab_size
     feats = engine.feature_layers
@@ -781,20 +779,21 @@ def tree_mismatches(
         cache.lengths.zero_()
         engine(torch.randint(0, V, (1, n0), generator=g).to(engine.device), cache)  # prefill
         n, k, v = cache.lengths.clone(), cache.k.clone(), cache.v.clone()
-        parents, depth = [-1], [0]
+        mask, depth = torch.eye(T, dtype=torch.bool), [0]  # node i sees j iff j is i or an ancestor
         for i in range(1, T):
-            parents.append(int(torch.randint(0, i, (1,), generator=g)))
-            depth.append(depth[parents[-1]] + 1)
+            parent = int(torch.randint(0, i, (1,), generator=g))
+            mask[i] |= mask[parent]
+            depth.append(depth[parent] + 1)
         tokens = torch.randint(0, V, (T,), generator=g).to(engine.device)
-        mask = tree_attention_mask(parents).to(engine.device)
+        paths = [mask[t].nonzero()[:, 0].tolist() for t in range(T)]
+        mask = mask.to(engine.device)
         pos = (n + torch.tensor(depth, device=engine.device))[None]
         out = engine(tokens[None], cache, positions=pos, tree_mask=mask[None], feature_layers=feats)
         if int(cache.lengths) != n0 + T:
             raise RuntimeError(
                 f"a tree of {T} nodes advanced the cache to {int(cache.lengths)}, not {n0 + T}"
             )
-        for t in range(T):
-            path = [j for j in range(t + 1) if mask[t, j]]
+        for t, path in enumerate(paths):
             for per_token in (False, True):
                 c.k.copy_(k)
                 c.v.copy_(v)
