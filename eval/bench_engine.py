@@ -101,9 +101,12 @@ def step_seconds(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def verify_costs(target, engine: CompiledTarget, feature_layers, ctx: list[int], reps: int) -> dict:
-    """Seconds of one call of T tokens after a prompt, eager (the exact path speculative decoding takes) and
-    compiled (its bucket), for T = 1 and every bucket; the cache is rolled back after each call."""
+def verify_costs(
+    target, engine: CompiledTarget, feature_layers, ctx: list[int], reps: int, every_row: bool = False
+) -> dict:
+    """Milliseconds of one call of T tokens after a prompt, eager (the exact path speculative decoding takes)
+    and compiled (at `engine.bucket(T)` rows), for T = 1 and every bucket (every_row: every T up to the
+    largest bucket); the cache is rolled back after each call."""
     out = {}
     dev = target.device
     x = torch.tensor([ctx], device=dev)
@@ -114,7 +117,7 @@ def verify_costs(target, engine: CompiledTarget, feature_layers, ctx: list[int],
         cache.set_window(1024) if name == "eager" else None
         model(x, cache, feature_layers=feature_layers)
         n = int(cache.lengths[0])
-        for T in sorted({1, *engine.rows}):
+        for T in range(1, engine.rows[-1] + 1) if every_row else sorted({1, *engine.rows}):
             toks = torch.randint(3, 1000, (1, T), device=dev)
 
             def call(model=model, cache=cache, toks=toks, n=n):
@@ -137,6 +140,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="2,4,8,12,24", help="verify buckets (the decode bucket is added)")
     ap.add_argument("--autotune", action="store_true", help="inductor max_autotune (long compiles)")
     ap.add_argument("--reps", type=int, default=20, help="calls per step timing")
+    ap.add_argument("--every-row", action="store_true", help="step times for every row count, not buckets")
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
     ap.add_argument("--target", "--gguf", dest="target", default=None, help=TARGET_HELP)
     ap.add_argument("--no-spec", action="store_true")
@@ -172,7 +176,7 @@ def main(argv=None) -> int:
 
     prompts = prompt_ids(tok, args.bench, args.n)
     eos = target.config.eos_ids
-    result |= verify_costs(target, engine, feats, prompts[0], args.reps)
+    result |= verify_costs(target, engine, feats, prompts[0], args.reps, args.every_row)
     print(json.dumps({k: round(v, 3) for k, v in result.items() if k.endswith(("ms", "T1"))}), flush=True)
 
     decoders = {
