@@ -247,8 +247,7 @@ class _Step(nn.Module):
             (layer.self_attn for layer in model.model.layers if layer.self_attn.temperature_tuning), None
         )
         if a is not None:
-            p = torch.arange(slots, device=model.device).float()
-            scale = torch.log1p(torch.floor((p + 1.0) / a.floor_scale)) * a.attn_scale + 1.0
+            scale = a.temperature(torch.arange(slots, device=model.device))
             self.register_buffer("temperature", scale, persistent=False)  # [slots]
         self.bmm_rows = bmm_min_rows()  # probed here, eagerly: a compiled region cannot run the probe
         self.q4 = _q4_packs(model)

@@ -108,6 +108,11 @@ class Attention(nn.Module):
         self.floor_scale, self.attn_scale, self.eps = cfg.floor_scale, cfg.attn_scale, cfg.rms_norm_eps
         self.chunked = cfg.is_chunked(layer)
 
+    def temperature(self, positions: Tensor) -> Tensor:
+        """A NoPE layer's query scale at `positions`: 1 + attn_scale * log(floor((pos + 1) / floor_scale) + 1),
+        1.0 early on."""
+        return torch.log1p(torch.floor((positions.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
+
     def forward(self, x: Tensor, ctx: _Ctx) -> Tensor:
         return self.o_proj(self.attend(fused_linear(x, (self.q_proj, self.k_proj, self.v_proj)), ctx))
 
@@ -124,12 +129,7 @@ class Attention(nn.Module):
         if self.qk_norm:  # weightless RMSNorm after RoPE, RoPE layers only
             q, k = _rms(q, self.eps), _rms(k, self.eps)
         elif self.temperature_tuning:
-            # NoPE layers: q *= 1 + attn_scale * log(floor((pos + 1) / floor_scale) + 1); 1.0 early on
-            scale = (
-                torch.log1p(torch.floor((ctx.positions.float() + 1.0) / self.floor_scale)) * self.attn_scale
-                + 1.0
-            )
-            q = (q * scale[:, :, None, None]).to(q.dtype)
+            q = (q * self.temperature(ctx.positions)[:, :, None, None]).to(q.dtype)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, h, T, D]
         if ctx.cache is not None:
             k, v = ctx.cache.write(self.layer, k, v, ctx.kv_len, ctx.write_index)  # [B, Hkv, S, D]

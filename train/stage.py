@@ -246,7 +246,7 @@ class Stage:
                         for x in ids
                     ]
 
-            init_from_draft(draft, str(draft_dir(self.init)), features)
+            init_from_draft(draft, str(draft_dir(self.init)), features, src)
             return draft.to(self.device)
         cfg = self.model.config
         flat = [
