@@ -106,6 +106,21 @@ def select_draft_vocab(counts: Tensor, draft_vocab_size: int) -> tuple[Tensor, T
     return d2t, t2d
 
 
+def grow_draft_vocab(t2d: Tensor, counts: Tensor, draft_vocab_size: int) -> tuple[Tensor, Tensor]:
+    """(d2t, t2d) of a larger draft vocabulary that keeps every id of `t2d` and adds the most frequent
+    others of `counts` [V] (ties and unseen ids as in `select_draft_vocab`) up to draft_vocab_size ids."""
+    old = int(t2d.sum())
+    if counts.shape != t2d.shape:
+        raise ValueError(f"counts {tuple(counts.shape)} and t2d {tuple(t2d.shape)} differ in vocabulary")
+    if not old <= draft_vocab_size <= t2d.numel():
+        raise ValueError(
+            f"a grown draft vocabulary must hold {old} to {t2d.numel()} ids, got {draft_vocab_size}"
+        )
+    # kept ids first whatever their count: above every count, in id order among themselves
+    rank = torch.where(t2d.bool(), counts.long().max() + 1, counts.long())
+    return select_draft_vocab(rank, draft_vocab_size)
+
+
 def draft_ids_to_target(ids: Tensor, d2t: Tensor) -> Tensor:
     """Target ids of draft ids (any shape): ids + d2t[ids]."""
     ids = torch.as_tensor(ids, dtype=torch.long, device=d2t.device)

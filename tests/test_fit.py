@@ -30,6 +30,7 @@ from train.fit import (
     WarmupCosine,
     collate,
     epoch_batches,
+    grow_vocab,
     soft_cross_entropy,
     step_counts,
     train,
@@ -129,6 +130,27 @@ def make_batch(seed=0):
         s["target_argmax"] = (s["hidden"].float() @ head.T).argmax(-1).int()
     emb = torch.nn.Embedding(512, H)
     return draft, emb, samples, head
+
+
+def test_grown_vocab_keeps_the_drafts_logits_and_starts_new_tokens_at_zero():
+    """grow_vocab: every old token keeps its lm_head row (its logit on any state is the old draft's), the
+    new ones are the most frequent others and score exactly 0, every other weight is the draft's."""
+    src, *_ = make_batch()
+    counts = torch.randint(0, 100, (512,), generator=torch.Generator().manual_seed(3))
+    grown = grow_vocab(src, counts, 200)
+    assert grown.config.draft_vocab_size == 200 and grown.d2t.numel() == 200
+    old_ids, new_ids = src.draft_to_target_ids.tolist(), grown.draft_to_target_ids.tolist()
+    added = sorted(set(new_ids) - set(old_ids))
+    assert set(old_ids) <= set(new_ids) and len(added) == 72
+    others = sorted(set(range(512)) - set(old_ids), key=lambda t: (-int(counts[t]), t))
+    assert added == sorted(others[:72])
+    h = torch.randn(4, 9, 64, generator=torch.Generator().manual_seed(4))
+    before, after = src.logits(h), grown.logits(h)
+    col = {t: i for i, t in enumerate(new_ids)}
+    torch.testing.assert_close(after[..., [col[t] for t in old_ids]], before, rtol=0, atol=1e-6)
+    assert bool((after[..., [col[t] for t in added]] == 0).all())
+    a, b = src.state_dict(), grown.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a if k not in ("d2t", "t2d", "lm_head.weight"))
 
 
 def test_collate_equals_target_draft_logits():

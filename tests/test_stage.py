@@ -223,3 +223,45 @@ def test_training_does_not_resume_with_the_variant_changed(tmp_path, monkeypatch
         "fc_norm",
         "norm_output",
     ]
+
+
+def test_grow_vocab_stage_carries_the_draft_and_resumes_only_grown(tmp_path, monkeypatch):
+    """--grow-vocab N from an --init-draft: the stage's draft has N tokens, the init draft's among them with
+    their lm_head rows (no steps: unchanged), the new ones' rows at zero; stage.json says N. A training
+    checkpoint resumes only with the same --grow-vocab; without --init-draft, or below its size, it is an
+    error."""
+    from safetensors.torch import load_file
+
+    from eagle3.draft import load_draft
+    from train.stage import StageError
+
+    torch.set_num_threads(1)
+    target, data = make_data(tmp_path)
+    s1, s2, s3 = tmp_path / "s1", tmp_path / "s2", tmp_path / "s3"
+    run(target, data, s1, "--max-conversations", "3", "--max-steps", "2")
+    s = run(target, data, s2, "--init-draft", str(s1), "--grow-vocab", "160", "--max-conversations", "1",
+            "--max-steps", "0")  # fmt: skip
+    assert s["phases"]["train"]["draft_vocab_size"] == 160
+    a, b = load_draft(s1 / "draft"), load_draft(s2 / "draft")
+    old, new = a.draft_to_target_ids.tolist(), b.draft_to_target_ids.tolist()
+    assert set(old) < set(new) and len(new) == 160
+    wa, wb = (load_file(str(p / "draft" / "model.safetensors")) for p in (s1, s2))
+    rows = {t: i for i, t in enumerate(new)}
+    assert torch.equal(wb["lm_head.weight"][[rows[t] for t in old]], wa["lm_head.weight"])
+    assert not wb["lm_head.weight"][[rows[t] for t in set(new) - set(old)]].any()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa if k not in ("d2t", "t2d", "lm_head.weight"))
+    assert set(s["phases"]["score"]["drafts"]) == {"init", "new"}
+
+    revive = kill_training_at(3, monkeypatch)
+    grow = ["--init-draft", str(s1), "--checkpoint-seconds", "0", "--max-conversations", "1"]
+    with pytest.raises(RuntimeError, match="killed"):
+        run(target, data, s3, *grow, "--grow-vocab", "160")
+    revive()
+    with pytest.raises(StageError, match=r"train_state.pt: its draft has 160 tokens, this run's 128"):
+        run(target, data, s3, *grow)
+    assert run(target, data, s3, *grow, "--grow-vocab", "160")["phases"]["train"]["steps"] == 6
+    with pytest.raises(StageError, match="grows an --init-draft's vocabulary"):
+        run(target, data, tmp_path / "s4", "--grow-vocab", "160")
+    with pytest.raises(StageError, match="--grow-vocab 100: the init draft has 128 tokens"):
+        run(target, data, tmp_path / "s5", "--init-draft", str(s1), "--grow-vocab", "100")
+    assert not (tmp_path / "s5" / ANSWERS).exists()  # refused before any regeneration

@@ -52,6 +52,22 @@ def test_select_rejects_bad_sizes():
         v.select_draft_vocab(COUNTS.view(2, 5), 3)
 
 
+def test_grow_keeps_every_old_id_and_adds_the_most_frequent():
+    _, t2d = v.select_draft_vocab(COUNTS, 4)  # ids 1, 2, 3, 6
+    counts = torch.tensor([7, 0, 0, 0, 2, 7, 0, 1, 9, 2])  # the new data: old ids rare, 8 / 0 / 5 frequent
+    d2t, grown = v.grow_draft_vocab(t2d, counts, 7)
+    v.validate_vocab_maps(d2t, grown, 10)
+    assert (torch.arange(7) + d2t).tolist() == [0, 1, 2, 3, 5, 6, 8]  # 0 and 5 tie at 7: both fit
+    d2t, grown = v.grow_draft_vocab(t2d, counts, 6)
+    assert (torch.arange(6) + d2t).tolist() == [0, 1, 2, 3, 6, 8]  # 8, then 0 before 5 (a tie: smaller id)
+    d2t, same = v.grow_draft_vocab(t2d, counts, 4)
+    assert torch.equal(same, t2d)
+    with pytest.raises(ValueError, match="must hold 4 to 10 ids, got 3"):
+        v.grow_draft_vocab(t2d, counts, 3)
+    with pytest.raises(ValueError, match="must hold 4 to 10 ids, got 11"):
+        v.grow_draft_vocab(t2d, counts, 11)
+
+
 def test_count_tokens_only_assistant_tokens():
     pairs = [([1, 2, 3, 3], [0, 1, 1, 0]), ([3, 9], [1, 1])]
     counts = v.count_tokens(pairs, vocab_size=10)

@@ -61,6 +61,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from eagle3.draft import NORM_VARIANTS, DraftConfig, Eagle3Draft, load_draft, save_draft
+from eagle3.vocab import grow_draft_vocab
 from maverick.checkpoint import atomic_dir
 from maverick.cli import UserError, positive_int, run_cli
 from maverick.config import Llama4Config
@@ -529,6 +530,26 @@ def init_from_draft(
                 path, int(shared.sum()), draft.config.draft_vocab_size)  # fmt: skip
     if features is not None and any(k.startswith("fc_norm.") for k in fresh):
         scale_fc_norms(draft, features())
+
+
+def grow_vocab(src: Eagle3Draft, counts: Tensor, draft_vocab_size: int) -> Eagle3Draft:
+    """`src` with a larger draft vocabulary: every token it had, then the most frequent others of `counts`
+    [V] (assistant tokens of the training data) up to draft_vocab_size (eagle3.vocab.grow_draft_vocab).
+    Every weight is src's; the new tokens' lm_head rows start at zero, so their logits start at 0 and the
+    draft proposes one only where all its old logits are negative, until training moves them."""
+    d2t, t2d = grow_draft_vocab(src.t2d.cpu(), counts.cpu(), draft_vocab_size)
+    draft = Eagle3Draft(dataclasses.replace(src.config, draft_vocab_size=draft_vocab_size))
+    draft = draft.to(device=src.d2t.device, dtype=src.lm_head.weight.dtype)
+    state = {k: v for k, v in src.state_dict().items() if k not in ("d2t", "t2d", "lm_head.weight")}
+    draft.load_state_dict(state, strict=False)
+    draft.set_vocab(d2t, t2d)
+    with torch.no_grad():
+        old = src.t2d.cpu()[draft.draft_to_target_ids.cpu()]  # [V'] which of our ids src has, in id order
+        draft.lm_head.weight.zero_()
+        draft.lm_head.weight[old.to(draft.d2t.device)] = src.lm_head.weight
+    log.info("draft vocabulary grown from %d to %d tokens (new lm_head rows at zero)",
+             src.config.draft_vocab_size, draft_vocab_size)  # fmt: skip
+    return draft
 
 
 def scale_fc_norms(draft: Eagle3Draft, features: Sequence[Tensor]) -> None:

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3.draft import NORM_VARIANTS, DraftConfig, Eagle3Draft, load_draft, save_draft
+from eagle3.vocab import count_tokens
 from maverick.cli import UserError, run_cli
 from maverick.model import Llama4
 from maverick.target import default_target_path, load_target
@@ -55,7 +56,7 @@ from train.acceptance import run_lengths, summarize, target_fields
 from train.dump import default_feature_layers
 from train.fastfit import Buckets, TimeSchedule, bucket_batches, dense_step_sums, target_batch, weighted_loss
 from train.fastgen import Conversation, FastGenerator
-from train.fit import EAGLE31, _append_jsonl, _truncate_log, init_from_draft, plot_curves
+from train.fit import EAGLE31, _append_jsonl, _truncate_log, grow_vocab, init_from_draft, plot_curves
 from train.samples import draft_vocab_from
 
 ANSWERS = "answers.jsonl.xz"
@@ -72,6 +73,13 @@ def _write_json(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1) + "\n")
     os.replace(tmp, path)
+
+
+def check_growth(n: int, have: int, vocab: int) -> None:
+    if not have <= n <= vocab:
+        raise StageError(
+            f"--grow-vocab {n}: the init draft has {have} tokens and the target {vocab}; give a size between"
+        )
 
 
 def draft_dir(path: Path) -> Path:
@@ -231,6 +239,8 @@ class Stage:
         seeded = torch.Generator().manual_seed(a.seed)
         if self.init is not None:
             src = load_draft(draft_dir(self.init), dtype=torch.float32, device=str(self.device))
+            if a.grow_vocab:
+                src = self.grow(src, samples)
             if not a.eagle31 or all(getattr(src.config, k) for k in EAGLE31):
                 return src
             # an EAGLE-3 draft carried into an EAGLE-3.1 one: its weights, fc_norm at its features' scale
@@ -262,6 +272,16 @@ class Stage:
         draft.set_vocab(d2t, t2d)
         return draft.to(self.device)
 
+    def grow(self, src: Eagle3Draft, samples: list[dict]) -> Eagle3Draft:
+        """--grow-vocab: the init draft with the answers' most frequent tokens added (train.fit.grow_vocab)."""
+        n = self.args.grow_vocab
+        check_growth(n, src.config.draft_vocab_size, src.config.vocab_size)
+        counts = count_tokens(
+            [(torch.as_tensor(s["input_ids"]), torch.as_tensor(s["loss_mask"])) for s in samples],
+            src.config.vocab_size,
+        )
+        return grow_vocab(src, counts, n)
+
     def train(self) -> None:
         a = self.args
         samples = self.samples()
@@ -290,6 +310,11 @@ class Stage:
                 raise StageError(
                     f"{ck}: its draft has the tensors {sorted(set(st['draft']) ^ set(draft.state_dict()))} "
                     f"where this run's has not, or the reverse: resume with the first run's --eagle-3.1"
+                )
+            if st["draft"]["d2t"].shape != draft.d2t.shape:
+                raise StageError(
+                    f"{ck}: its draft has {st['draft']['d2t'].numel()} tokens, this run's "
+                    f"{draft.config.draft_vocab_size}: resume with the first run's --grow-vocab"
                 )
             draft.load_state_dict(st["draft"])
             opt.load_state_dict(st["optimizer"])
@@ -381,6 +406,7 @@ class Stage:
             "tokens_per_s": round((tokens - tokens0) / max(ran, 1e-9), 1),  # this run's, compile included
             "init_draft": str(draft_dir(self.init)) if self.init else None,
             "norm_variants": [k for k in NORM_VARIANTS if getattr(draft.config, k)],  # [] : EAGLE-3
+            "draft_vocab_size": draft.config.draft_vocab_size,
             "lr": a.lr, "token_budget": a.token_budget, "bucket": a.bucket, "max_length": a.max_length,
             "ttt_steps": a.ttt_steps, "precision": a.precision, "compile": a.compile,
         }  # fmt: skip
@@ -516,6 +542,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--log-every", type=int, default=10)
     t.add_argument("--checkpoint-seconds", type=float, default=60.0)
     t.add_argument("--draft-vocab-size", type=int, default=8192, help="a fresh draft's (no --init-draft)")
+    t.add_argument("--grow-vocab", type=int, default=None, metavar="N",
+                   help="with --init-draft: grow its vocabulary to N tokens, adding the answers' most frequent "
+                   "(new lm_head rows start at zero)")  # fmt: skip
     t.add_argument("--eagle-3.1", dest="eagle31", action="store_true",
                    help="EAGLE-3.1's norms (each aux-layer feature before fc, the output); an --init-draft "
                    "without them is carried over, fc_norm starting at its features' scale")  # fmt: skip
@@ -532,7 +561,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.init_draft:
-        draft_dir(Path(args.init_draft))
+        init = draft_dir(Path(args.init_draft))
+        if args.grow_vocab:  # before any regeneration: a bad size would otherwise stop the stage at training
+            c = DraftConfig.from_hf_dict(
+                json.loads((init / "config.json").read_text()), str(init / "config.json")
+            )
+            check_growth(args.grow_vocab, c.draft_vocab_size, c.vocab_size)
+    elif args.grow_vocab:
+        raise StageError(
+            "--grow-vocab grows an --init-draft's vocabulary (a fresh draft: --draft-vocab-size)"
+        )
     stage = Stage(args, t0)
     print(json.dumps({"config": {k: v for k, v in vars(args).items()}, "device": str(stage.device),
                       "earlier_answers": len(stage.earlier), "data_records": len(stage.data)}), flush=True)  # fmt: skip
