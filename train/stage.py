@@ -13,6 +13,7 @@ On whatever device it finds (the GPU when there is one), within --minutes of wal
    every answer so far: this stage's, the earlier stages' (`answers*.jsonl.xz` beside --init-draft, and
    records of --data that carry answers, e.g. the stage-6 regeneration), cut to --max-length tokens;
    with --eagle-3.1 the draft gets EAGLE-3.1's norms (an EAGLE-3 --init-draft is carried over into one);
+   with --grow-vocab N the --init-draft's vocabulary grows to N tokens (the answers' most frequent join it);
 3. score: teacher-forced greedy chain acceptance (`eval.acceptance`) of the initial and the new draft on
    the target's greedy answers to the held-out conversations of --data (first turns, never trained on).
 
