@@ -641,9 +641,9 @@ class CompiledTarget:
     @torch.no_grad()
     def run(self, R: int, tokens: Tensor, cache: KVCache, tree: tuple[Tensor, Tensor] | None = None):
         """The compiled graph on tokens [B, R] (R: a bucket, or a row count of a package of dynamic rows,
-        `bucket`); the first call of a package compiles it (or loads it from disk). tree: (depth [T], tree_mask [T, T]) when the first T tokens are a tree's nodes
-        (batch 1; node i sees j iff j is i or an ancestor; ancestors first, by depth): the tree graph
-        (`_TreeStep`) runs instead."""
+        `bucket`); the first call of a package compiles it (or loads it from disk). tree: (depth [T],
+        tree_mask [T, T]) when the first T tokens are a tree's nodes (batch 1; node i sees j iff j is i or an
+        ancestor; ancestors first, by depth): the tree graph (`_TreeStep`) runs instead."""
         first = tree is None and R in self.rows and R not in self.compile_seconds
         t0 = time.perf_counter() if first else None
         span = self._span(cache, R)

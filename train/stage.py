@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from eagle3.draft import NORM_VARIANTS, DraftConfig, Eagle3Draft, load_draft, save_draft
+from eagle3.draft import NORM_VARIANTS, DraftConfig, Eagle3Draft, load_draft, read_json, save_draft
 from eagle3.vocab import count_tokens
 from maverick.cli import UserError, run_cli
 from maverick.model import Llama4
@@ -74,13 +74,6 @@ def _write_json(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1) + "\n")
     os.replace(tmp, path)
-
-
-def check_growth(n: int, have: int, vocab: int) -> None:
-    if not have <= n <= vocab:
-        raise StageError(
-            f"--grow-vocab {n}: the init draft has {have} tokens and the target {vocab}; give a size between"
-        )
 
 
 def draft_dir(path: Path) -> Path:
@@ -274,14 +267,9 @@ class Stage:
         return draft.to(self.device)
 
     def grow(self, src: Eagle3Draft, samples: list[dict]) -> Eagle3Draft:
-        """--grow-vocab: the init draft with the answers' most frequent tokens added (train.fit.grow_vocab)."""
-        n = self.args.grow_vocab
-        check_growth(n, src.config.draft_vocab_size, src.config.vocab_size)
-        counts = count_tokens(
-            [(torch.as_tensor(s["input_ids"]), torch.as_tensor(s["loss_mask"])) for s in samples],
-            src.config.vocab_size,
-        )
-        return grow_vocab(src, counts, n)
+        """--grow-vocab (its size checked in `main`): the init draft with the answers' most frequent tokens
+        added (train.fit.grow_vocab)."""
+        return grow_vocab(src, count_tokens(samples, src.config.vocab_size), self.args.grow_vocab)
 
     def train(self) -> None:
         a = self.args
@@ -564,10 +552,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.init_draft:
         init = draft_dir(Path(args.init_draft))
         if args.grow_vocab:  # before any regeneration: a bad size would otherwise stop the stage at training
-            c = DraftConfig.from_hf_dict(
-                json.loads((init / "config.json").read_text()), str(init / "config.json")
-            )
-            check_growth(args.grow_vocab, c.draft_vocab_size, c.vocab_size)
+            c = DraftConfig.from_hf_dict(read_json(init / "config.json"), str(init / "config.json"))
+            if not c.draft_vocab_size <= args.grow_vocab <= c.vocab_size:
+                raise StageError(
+                    f"--grow-vocab {args.grow_vocab}: the init draft has {c.draft_vocab_size} tokens and the "
+                    f"target {c.vocab_size}; give a size between"
+                )
     elif args.grow_vocab:
         raise StageError(
             "--grow-vocab grows an --init-draft's vocabulary (a fresh draft: --draft-vocab-size)"
