@@ -29,6 +29,7 @@ from maverick.q4 import attach_q4
 FEATURES = (1, 2, 3)
 MAX_LEN = 192
 ROWS = (4,)  # buckets: the decode one (1 or 2 rows) and 4; each is one compile
+WIDE = (4, 8)  # engines with an 8-row bucket share their packages (the bucket test's, the tree and 4-bit ones)
 
 
 def make_target(seed: int = 0) -> Llama4:
@@ -128,7 +129,7 @@ def test_engines_of_one_shape_run_their_own_graphs():
     )
 
 
-def test_aot_packages_are_named_by_their_weights(engine):
+def test_aot_packages_are_named_by_their_weights(engine, monkeypatch):
     """On CPU every bucket is an AOTInductor package on disk named by a hash of the weights, shapes, options
     and source: an engine of the same weights (another module) loads every bucket from disk and gives the
     first engine's bits; an engine of other weights has packages of its own and its own model's logits."""
@@ -148,16 +149,25 @@ def test_aot_packages_are_named_by_their_weights(engine):
     other.compile()
     assert not set(other.packages.values()) & set(engine.packages.values())
     _own_logits([engine, other])
-    # the same weights under another config (the norms' eps) are another graph: packages of their own
+    # the same weights under another config (the norms' eps) are another graph: a name of its own (the
+    # names only, not built: what a name of its own gives an engine, `other` shows)
     eps = make_target()
     eps.config = dataclasses.replace(eps.config, rms_norm_eps=0.1)
     for m in eps.modules():
         if hasattr(m, "eps"):
             m.eps = 0.1
-    eps = CompiledTarget(eps, MAX_LEN, FEATURES, rows=ROWS)
-    eps.compile()
-    assert not set(eps.packages.values()) & set(engine.packages.values())
-    _own_logits([engine, eps])
+    keys = []
+
+    def name_only(module, args, dynamic, options, key, directory=None):
+        keys.append(key)
+        raise KeyError(key)
+
+    monkeypatch.setattr("maverick.compiled.load_or_build", name_only)
+    for model in (make_target(), eps):  # the first bucket's name; the same config's is the engine's
+        with pytest.raises(KeyError):
+            CompiledTarget(model, MAX_LEN, FEATURES, rows=ROWS).compile()
+    names = {p.name for p in engine.packages.values()}
+    assert f"{keys[0]}.pt2" in names and f"{keys[1]}.pt2" not in names
 
 
 @cpu_engines
@@ -165,30 +175,31 @@ def test_aot_packages_are_named_by_their_weights(engine):
 def test_buckets_share_one_package_with_the_bits_of_their_own(q4, monkeypatch):
     """The buckets of 2 rows and more run one AOT package of a dynamic row count (a 1-row bucket its own),
     and a call runs it at its own row count, unpadded: every call's logits, features and cache writes have
-    the bits of a package built for its bucket alone, padded, dense (frozen weights: one copy instead of one
-    per bucket) and 4-bit (the model's tensors)."""
+    the bits of a package built for one row count, padded to it (8 rows, and the decode bucket's 2 where it
+    has 2), dense (frozen weights: one copy instead of one per bucket) and 4-bit (the model's tensors)."""
     make = q4_target if q4 else make_target
-    e = CompiledTarget(make(), MAX_LEN, FEATURES, rows=(4, 8))
+    e = CompiledTarget(make(), MAX_LEN, FEATURES, rows=WIDE)
     e.compile()
     many = [r for r in e.rows if r >= 2]
     assert len(many) >= 2 and len({e.packages[r] for r in many}) == 1
     assert len({id(e._runners[(r, 1)]) for r in many}) == 1
     assert all(e.packages[r] != e.packages[many[0]] for r in e.rows if r < 2)
-    alone = CompiledTarget(make(), MAX_LEN, FEATURES, rows=(4, 8))
+    alone = CompiledTarget(make(), MAX_LEN, FEATURES, rows=(8,))  # the same cache shape as e's
     monkeypatch.setattr(alone, "package_rows", lambda R: (R, R))
     alone.compile()
-    assert len({alone.packages[r] for r in many}) == len(many)
+    assert alone.slots == e.slots and alone.rows[-1] == 8
+    assert len({alone.packages[r] for r in alone.rows}) == len(alone.rows)
     x = torch.tensor([PROMPTS[1]])
     assert x.shape[1] >= 8 + many[-1]
     for T in range(2, many[-1] + 1):
-        assert e.bucket(T) == max(T, many[0]) and alone.bucket(T) in many
+        assert e.bucket(T) == max(T, many[0]) and alone.bucket(T) in (2, 8)
         outs = []
         for eng in (e, alone):
             cache = eng.new_cache(1)
             eng(x[:, :8], cache)
             out = eng(x[:, 8 : 8 + T], cache, feature_layers=FEATURES)
             outs.append((out.logits, out.features, cache.k[:, :, :, : 8 + T].clone()))
-        assert all(torch.equal(a, b) for a, b in zip(*outs)), f"{T} rows (bucket {alone.bucket(T)})"
+        assert all(torch.equal(a, b) for a, b in zip(*outs)), f"{T} rows (padded to {alone.bucket(T)})"
     assert e._runners[(5, 1)] is e._runners[(many[0], 1)]  # 5 rows ran the package of dynamic rows
 
 
@@ -325,7 +336,7 @@ def test_q4_engine_runs_the_int4_kernel_and_keeps_the_bits():
     weights), whose AOT packages share the model's tensors: its logits match the eager 4-bit model's within
     bf16 rounding, and greedy speculative decoding on it emits exactly plain decoding's tokens on it."""
     target = q4_target()
-    e = CompiledTarget(target, MAX_LEN, FEATURES, rows=ROWS)
+    e = CompiledTarget(target, MAX_LEN, FEATURES, rows=WIDE)
     assert e.step.q4 is not None and len(e.step.q4) == 4 * len(target.model.layers)
     e.compile()
     # every bucket's AOT package reads the model's own tensors (one copy), not weights of its own
@@ -427,9 +438,9 @@ def test_compiled_draft_matches_the_eager_draft(engine):
 
 
 @cpu_engines
-def test_compiled_eagle31_draft_matches_the_eager_draft():
+def test_compiled_eagle31_draft_matches_the_eager_draft(monkeypatch):
     """An EAGLE-3.1 draft (fc_norm, norm_output) compiles with its norms: its states are the eager draft's
-    within bf16 rounding, and they are not those of the same weights without the output norm."""
+    within bf16 rounding, and the same weights without the output norm are a package of another name."""
     draft = make_draft(make_target(), fc_norm=True, norm_output=True)
     comp = CompiledDraft(draft, MAX_LEN, max_rows=8)
     H = draft.config.hidden_size
@@ -446,14 +457,22 @@ def test_compiled_eagle31_draft_matches_the_eager_draft():
         assert (got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max(), f"T={T}"
     rms = got.float().pow(2).mean(-1).sqrt()  # norm(h) with norm weights at 1: unit RMS per position
     assert torch.allclose(rms, torch.ones_like(rms), atol=0.02)
-    # the same weights without norm_output are another graph: a package of its own, not this one's
+    # the same weights without norm_output are another graph: a package of another name (the name only,
+    # not built; the same draft's name is the one built above)
     plain = make_draft(make_target(), fc_norm=True)
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), draft.state_dict().values()))
-    other = CompiledDraft(plain, MAX_LEN, max_rows=8)
-    want = plain(emb, hid, None, cache=plain.new_cache(1, MAX_LEN))
-    got = other(emb, hid, None, cache=other.new_cache(1, MAX_LEN))
-    assert other.package != comp.package
-    assert (got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max()
+    keys = []
+
+    def name_only(module, args, dynamic, options, key, directory=None):
+        keys.append(key)
+        raise KeyError(key)
+
+    monkeypatch.setattr("eagle3.compiled_draft.load_or_build", name_only)
+    for d in (make_draft(make_target(), fc_norm=True, norm_output=True), plain):
+        d = CompiledDraft(d, MAX_LEN, max_rows=8)
+        with pytest.raises(KeyError):
+            d(emb, hid, None, cache=d.new_cache(1, MAX_LEN))
+    assert comp.package.name == f"{keys[0]}.pt2" and keys[1] != keys[0]
 
 
 @cpu_engines
@@ -501,15 +520,15 @@ def test_speculative_with_the_compiled_draft_equals_plain(engine):
 
 @pytest.fixture(scope="module")
 def tree_engine() -> CompiledTarget:
-    """An engine with a 12-row bucket: trees of up to 11 draft nodes verify in one compiled call."""
+    """An engine with an 8-row bucket: trees of up to 7 draft nodes verify in one compiled call."""
     if not supported():
         pytest.skip(f"CPU engines refuse torch {torch.__version__}")
-    e = CompiledTarget(make_target(), MAX_LEN, FEATURES, rows=(4, 12))
+    e = CompiledTarget(make_target(), MAX_LEN, FEATURES, rows=WIDE)
     e.compile()
     return e
 
 
-TREE_CASES = [(6, 11), (SPAN - 3, 11), (SPAN, 7), (2 * SPAN - 1, 12), (150, 4)]
+TREE_CASES = [(6, 8), (SPAN - 3, 8), (SPAN, 7), (2 * SPAN - 1, 8), (150, 4)]
 
 
 def test_tree_nodes_have_the_bits_of_their_paths(tree_engine):
@@ -524,8 +543,8 @@ def test_tree_nodes_have_the_bits_of_their_paths(tree_engine):
 def test_tree_nodes_keep_their_bits_under_torch_compile():
     """The same on an engine of torch.compile graphs instead of AOT packages (aot=False): the path a CUDA
     engine takes, there with CUDA graphs, whose trees stay refused until `tree_mismatches` passes on a GPU."""
-    e = CompiledTarget(make_target(), MAX_LEN, FEATURES, rows=(4, 12), aot=False)
-    assert tree_mismatches(e, TREE_CASES, vocab=512) == []
+    e = CompiledTarget(make_target(), MAX_LEN, FEATURES, rows=WIDE, aot=False)
+    assert tree_mismatches(e, TREE_CASES[1:4:2], vocab=512) == []
     assert not e._tree_runners
 
 
@@ -552,7 +571,7 @@ def test_tree_speculative_equals_plain_on_compiled_engine(tree_engine):
 
     e = tree_engine
     plain = Decoder(e, max_len=MAX_LEN)
-    tree = TreeConfig(depth=4, top_k=3, total_tokens=11)
+    tree = TreeConfig(depth=4, top_k=3, total_tokens=7)
     for p in PROMPTS:
         want = plain.generate([p], 40).tokens[0]
         got = SpecDecoder(e, make_draft(e.base), max_len=MAX_LEN, tree=tree).generate([p], 40)
