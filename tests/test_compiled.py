@@ -29,7 +29,7 @@ from maverick.q4 import attach_q4
 FEATURES = (1, 2, 3)
 MAX_LEN = 192
 ROWS = (4,)  # buckets: the decode one (1 or 2 rows) and 4; each is one compile
-WIDE = (4, 8)  # engines with an 8-row bucket share their packages (the bucket test's, the tree and 4-bit ones)
+WIDE = (4, 8)  # an 8-row bucket: the bucket test's engines share their packages with the tree and 4-bit ones
 
 
 def make_target(seed: int = 0) -> Llama4:
