@@ -1,9 +1,10 @@
 """Read a llama.cpp GGUF checkpoint of a dense Llama into our parameter names, layouts and config.
 
 Why this exists: the only real pretrained weights we can use offline are GGUF files (SmolLM2-135M-
-Instruct, Q4_1). We read them with the `gguf` package's memory-mapped `GGUFReader` (header, metadata,
-tensor offsets) but dequantise with our own vectorised torch code, so the block layouts are written
-down here and checked bit-exactly against `gguf.quants.dequantize` in the tests.
+Instruct, Q4_1). We read the header (metadata, tensor offsets) with our own parser over a memory map
+(`_parse`: the `gguf` package's `GGUFReader` takes ~5 s an open, the tests hold the two equal) and
+dequantise with our own vectorised torch code, so the block layouts are written down here and checked
+bit-exactly against `gguf.quants.dequantize` in the tests.
 
 Block layouts (little-endian, one block = 32 consecutive elements along ne0, the innermost dim):
     Q8_0  34 bytes: fp16 d, 32 x int8 q            -> x = q * d
@@ -29,6 +30,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +38,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES
 from torch import Tensor
 
@@ -375,36 +377,151 @@ def config_from_metadata(meta: dict[str, Any], n_tokens: int | None, has_output:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _open(path: Path) -> GGUFReader:
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: `shape` in GGUF order (ne0, the innermost, first), `data` its raw bytes
+    (a read-only memory map), `data_offset` where they start in the file."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]
+    data_offset: int
+    n_bytes: int
+    data: np.ndarray
+
+
+@dataclass
+class GGUFHeader:
+    """What `_open` reads of a GGUF file: its scalar and string metadata, the length of each array-valued
+    key (token lists, merges: their contents are skipped), and its tensors."""
+
+    version: int
+    metadata: dict[str, Any]
+    array_lengths: dict[str, int]
+    tensors: list[GGUFTensor]
+
+
+class _Unreadable(Exception):
+    """Not a GGUF file this reader can parse (`_open` names the file and its size)."""
+
+
+# GGUF value types (gguf.GGUFValueType) -> struct format of a scalar; 8 is a string, 9 an array
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_U64 = struct.Struct("<Q")
+
+
+class _Cursor:
+    """Little-endian reads from a memory-mapped file, each checked against its end."""
+
+    def __init__(self, buf: np.ndarray):
+        self.buf, self.pos, self.size = memoryview(buf), 0, len(buf)
+
+    def take(self, n: int) -> memoryview:
+        if self.pos + n > self.size:
+            raise _Unreadable(f"{n} bytes at byte {self.pos} run past the end")
+        self.pos += n
+        return self.buf[self.pos - n : self.pos]
+
+    def scalar(self, fmt: str):
+        return struct.unpack("<" + fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        return bytes(self.take(self.scalar("Q"))).decode("utf-8")
+
+    def value(self, vtype: int) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self.string()
+        if vtype not in _SCALARS:
+            raise _Unreadable(f"unknown metadata value type {vtype} before byte {self.pos}")
+        return self.scalar(_SCALARS[vtype])
+
+    def skip_array(self, vtype: int, count: int) -> None:
+        if vtype == GGUFValueType.STRING:  # each element a u64 length and its bytes: the hot loop
+            buf, pos = self.buf, self.pos
+            try:
+                for _ in range(count):
+                    pos += 8 + _U64.unpack_from(buf, pos)[0]
+            except struct.error:
+                pos = self.size + 1
+            if pos > self.size:
+                raise _Unreadable(f"an array of {count} strings from byte {self.pos} runs past the end")
+            self.pos = pos
+        elif vtype in _SCALARS:
+            self.take(count * struct.calcsize(_SCALARS[vtype]))
+        elif vtype == GGUFValueType.ARRAY:  # arrays of arrays: in no llama file, but GGUF allows them
+            for _ in range(count):
+                inner = self.scalar("I")
+                self.skip_array(inner, self.scalar("Q"))
+        else:
+            raise _Unreadable(f"unknown array element type {vtype} before byte {self.pos}")
+
+
+def _parse(path: Path, buf: np.ndarray) -> GGUFHeader:
+    """The header of a GGUF file (v2 or v3, little-endian): the metadata, the tensor infos, then the data
+    section aligned to `general.alignment` (default 32). Our own reader rather than gguf's GGUFReader, which
+    builds every element of every array (SmolLM2's 49,152 tokens and 48,900 merges) in Python: ~5 s an open
+    on a 2-core CPU; this one skips them."""
+    c = _Cursor(buf)
+    magic = bytes(c.take(4))
+    if magic != b"GGUF":
+        raise _Unreadable(f"no GGUF magic (it starts with {magic!r})")
+    version = c.scalar("I")
+    if version and not version & 0xFFFF:  # a big-endian writer's 2 or 3
+        raise ValueError(f"{path}: big-endian GGUF files are not supported")
+    if version not in (2, 3):
+        raise _Unreadable(f"GGUF version {version} (this reader takes 2 and 3)")
+    n_tensors, n_kv = c.scalar("Q"), c.scalar("Q")
+    meta, lengths = {}, {}
+    for _ in range(n_kv):
+        key, vtype = c.string(), c.scalar("I")
+        if vtype == GGUFValueType.ARRAY:
+            inner, count = c.scalar("I"), c.scalar("Q")
+            lengths[key] = count
+            c.skip_array(inner, count)
+        else:
+            meta[key] = c.value(vtype)
+    infos = []
+    for _ in range(n_tensors):
+        name = c.string()
+        dims = tuple(c.scalar("Q") for _ in range(c.scalar("I")))
+        infos.append((name, dims, c.scalar("I"), c.scalar("Q")))
+    align = int(meta.get("general.alignment", 32))
+    start = -(-c.pos // align) * align
+    tensors = []
+    for name, dims, code, offset in infos:
+        try:
+            qtype = GGMLQuantizationType(code)
+        except ValueError:
+            raise ValueError(f"{path}: tensor {name} has an unknown GGML type {code}") from None
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        n_bytes = math.prod(dims) // block_size * type_size
+        at = start + offset
+        if at + n_bytes > len(buf):
+            raise ValueError(
+                f"{path}: tensor {name} ends at byte {at + n_bytes} past the end of the file ({len(buf)} "
+                "bytes): truncated"
+            )
+        tensors.append(GGUFTensor(name, qtype, dims, at, n_bytes, buf[at : at + n_bytes]))
+    return GGUFHeader(version, meta, lengths, tensors)
+
+
+def _open(path: Path) -> GGUFHeader:
+    """`path`'s GGUF header (`_parse`), its tensors' bytes memory-mapped; every fault names the file."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: GGUF file not found")
+    if sys.byteorder != "little":
+        raise ValueError(f"{path}: GGUF files are read on little-endian machines only")
     size = path.stat().st_size
     try:
-        reader = GGUFReader(path, "r")
-    except Exception as e:  # GGUFReader reports truncation as reshape / dtype-view errors
+        return _parse(path, np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8))
+    except (_Unreadable, UnicodeDecodeError) as e:
         raise ValueError(
             f"{path}: not a readable GGUF file ({size} bytes; truncated or corrupt?): {e}"
-        ) from e
-    for t in reader.tensors:
-        if t.data_offset + int(t.n_bytes) > size:
-            raise ValueError(
-                f"{path}: tensor {t.name} ends at byte {t.data_offset + int(t.n_bytes)} past the end "
-                f"of the file ({size} bytes): truncated"
-            )
-    if reader.byte_order != "I" or sys.byteorder != "little":
-        raise ValueError(f"{path}: big-endian GGUF files are not supported")
-    return reader
+        ) from None
 
 
-def _metadata(reader: GGUFReader) -> tuple[dict[str, Any], int | None]:
-    meta, n_tokens = {}, None
-    for key, field in reader.fields.items():
-        if field.types and field.types[0] == GGUFValueType.ARRAY:
-            if key == "tokenizer.ggml.tokens":
-                n_tokens = len(field.data)
-            continue
-        meta[key] = field.contents()
-    return meta, n_tokens
+def _metadata(header: GGUFHeader) -> tuple[dict[str, Any], int | None]:
+    return header.metadata, header.array_lengths.get("tokenizer.ggml.tokens")
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
@@ -449,9 +566,9 @@ def read_gguf(
         see codes_parts).
     """
     path = Path(path) if path is not None else default_gguf_path()
-    reader = _open(path)
-    meta, n_tokens = _metadata(reader)
-    names = [t.name for t in reader.tensors]
+    header = _open(path)
+    meta, n_tokens = _metadata(header)
+    names = [t.name for t in header.tensors]
     config = config_from_metadata(meta, n_tokens, "output.weight" in names, path)
     if rope_scaling is not None:
         if config["rope_scaling"] is not None and config["rope_scaling"] != rope_scaling:
@@ -463,7 +580,7 @@ def read_gguf(
     unknown = [n for n in names if n != ROPE_FREQS and our_name(n) is None]
     if unknown:
         raise ValueError(f"{path}: unknown GGUF tensor names (no mapping to our parameters): {unknown}")
-    bad = [f"{t.name} ({t.tensor_type.name})" for t in reader.tensors if t.tensor_type not in SUPPORTED_TYPES]
+    bad = [f"{t.name} ({t.tensor_type.name})" for t in header.tensors if t.tensor_type not in SUPPORTED_TYPES]
     if bad:
         raise ValueError(
             f"{path}: unsupported GGUF tensor types: {', '.join(bad)}; supported: {_type_names(SUPPORTED_TYPES)}"
@@ -473,8 +590,8 @@ def read_gguf(
     state_dict: dict[str, Tensor] = {}
     parts: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
     code_parts: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
-    for t in reader.tensors:
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF ne0 is innermost
+    for t in header.tensors:
+        shape = tuple(reversed(t.shape))  # GGUF ne0 is innermost
         if t.name == ROPE_FREQS:
             factors = dequantize(t.data, t.tensor_type, shape)
             _check_rope_freqs(factors, config, path)

@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as Q
 from maverick.gguf_loader import (
     ROPE_FREQS,
     SUPPORTED_TYPES,
+    _open,
     default_gguf_path,
     dequantize,
     expected_shapes,
@@ -362,6 +363,70 @@ def test_rope_freqs_tensor_is_checked_against_rope_scaling(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 # errors
 # ---------------------------------------------------------------------------------------------------
+
+
+def assert_header_is_gguf_readers(path) -> None:
+    """`_open` (our parser) reads what gguf's GGUFReader reads: every scalar and string field, every array's
+    length, every tensor's name, type, shape, offset and bytes."""
+    ours, ref = _open(path), gguf.GGUFReader(path)
+    arrays = {k for k, f in ref.fields.items() if f.types[0] == gguf.GGUFValueType.ARRAY}
+    want = {k: f.contents() for k, f in ref.fields.items() if k not in arrays and not k.startswith("GGUF.")}
+    assert ours.metadata == want
+    assert [type(v) for v in ours.metadata.values()] == [type(v) for v in want.values()]
+    # GGUFReader counts an array of arrays by its leaves; ours by its elements (checked by hand below)
+    flat = {k for k in arrays if ref.fields[k].types[1] != gguf.GGUFValueType.ARRAY}
+    assert set(ours.array_lengths) == arrays
+    assert {k: ours.array_lengths[k] for k in flat} == {k: len(ref.fields[k].data) for k in flat}
+    assert len(ours.tensors) == len(ref.tensors)
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert (a.name, a.tensor_type, a.shape) == (b.name, b.tensor_type, tuple(b.shape.tolist()))
+        assert (a.data_offset, a.n_bytes) == (b.data_offset, int(b.n_bytes))
+        assert np.array_equal(a.data, np.asarray(b.data).view(np.uint8).reshape(-1)), a.name
+
+
+def test_header_parser_reads_what_gguf_reads(real_path, tmp_path):
+    """On the real file, and on a tiny one with a field of every value type, arrays of strings, numbers and
+    arrays, and a data alignment of 64."""
+    assert_header_is_gguf_readers(real_path)
+    t = tiny_tensors()
+    w = gguf.GGUFWriter(str(tmp_path / "types.gguf"), "llama")
+    w.add_custom_alignment(64)
+    for kind, value in [("uint8", 200), ("int8", -5), ("uint16", 60000), ("int16", -300), ("uint32", 7),
+                        ("int32", -7), ("float32", 0.1), ("bool", True), ("string", "héllo"),
+                        ("uint64", 2**40), ("int64", -(2**40)), ("float64", 0.1)]:  # fmt: skip
+        getattr(w, f"add_{kind}")(f"x.{kind}", value)
+    w.add_array("x.strings", ["a", "", "ü" * 3])
+    w.add_array("x.ints", [1, 2, 3])
+    w.add_array("x.nested", [[1, 2], [3]])
+    for name, x in list(t.items())[:3]:
+        w.add_tensor(name, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert_header_is_gguf_readers(tmp_path / "types.gguf")
+    h = _open(tmp_path / "types.gguf")
+    assert (
+        h.metadata["x.string"] == "héllo" and h.metadata["x.uint64"] == 2**40 and h.metadata["x.bool"] is True
+    )
+    assert h.array_lengths["x.nested"] == 2 and all(t.data_offset % 64 == 0 for t in h.tensors)
+
+
+def test_header_faults_name_the_file(tmp_path, real_path):
+    p = tmp_path / "bad.gguf"
+    p.write_bytes(b"GGUF" + (3).to_bytes(4, "big") + bytes(16))
+    with pytest.raises(ValueError, match="bad.gguf: big-endian GGUF files are not supported"):
+        read_gguf(p)
+    p.write_bytes(b"GGUF" + (1).to_bytes(4, "little") + bytes(16))
+    with pytest.raises(ValueError, match=r"bad.gguf: not a readable GGUF file \(24 bytes.*GGUF version 1"):
+        read_gguf(p)
+    with open(real_path, "rb") as f:
+        p.write_bytes(f.read(1_000_000))  # inside the token list
+    with pytest.raises(ValueError, match=r"not a readable GGUF file \(1000000 bytes.*strings.*past the end"):
+        read_gguf(p)
+    p.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"bad.gguf: not a readable GGUF file \(0 bytes"):
+        read_gguf(p)
 
 
 def test_missing_file(tmp_path):
