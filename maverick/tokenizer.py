@@ -7,8 +7,9 @@ template, so HF transformers can rebuild an exact fast tokenizer from it without
 
 Why this file exists rather than calling transformers everywhere:
   - one place that finds the data file and says exactly how to install it when it is missing;
-  - the tokenizer takes seconds to build (the GGUF metadata is parsed in Python), so it is cached per
-    path;
+  - transformers takes ~7 s to build a GGUF file's tokenizer (it parses the metadata in Python), so the
+    first build is saved under .cache/tokenizer and later processes load that in a fraction of a second,
+    and each process keeps it per path;
   - `encode_chat` pins down how a conversation becomes ids: the chat template rendered to text, then
     tokenized WITHOUT extra special tokens. That is what `apply_chat_template(tokenize=True)` does, and
     the tests hold the two equal.
@@ -22,10 +23,16 @@ bos but is never added implicitly.
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 import pathlib
+import shutil
 from collections.abc import Mapping, Sequence
 
 from maverick.gguf_loader import default_gguf_path, read_metadata
+
+# a GGUF file's tokenizer as transformers built it, saved (the repository's .cache, beside the AOT packages)
+TOKENIZER_DIR = pathlib.Path(__file__).resolve().parent.parent / ".cache" / "tokenizer"
 
 
 def load_tokenizer(path: str | pathlib.Path | None = None):
@@ -58,7 +65,7 @@ def _load_tokenizer_cached(path: str):
         if p.is_dir():
             tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True, trust_remote_code=False)
         else:
-            tokenizer = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True)
+            tokenizer = _gguf_tokenizer(p)
     except Exception as exc:  # transformers raises many types; name the file in every case
         raise RuntimeError(f"could not build a tokenizer from the {what} {p}: {exc}") from exc
     if not getattr(tokenizer, "chat_template", None):
@@ -67,6 +74,31 @@ def _load_tokenizer_cached(path: str):
         set_eos(tokenizer, gguf_eos_id(p))
     if tokenizer.eos_token_id is None:
         raise ValueError(f"the {what} {p} defines no eos token")
+    return tokenizer
+
+
+def _gguf_tokenizer(p: pathlib.Path):
+    """transformers' tokenizer of the GGUF file `p`: loaded from its saved copy in TOKENIZER_DIR (named by the
+    file's path, size and time and transformers' version), else built from the file and saved there (under
+    a temporary name, renamed: a build cut short leaves nothing that a later run would load)."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    st = p.stat()
+    key = repr((str(p), st.st_size, st.st_mtime_ns, transformers.__version__)).encode()
+    saved = TOKENIZER_DIR / f"{p.stem}-{hashlib.blake2b(key, digest_size=10).hexdigest()}"
+    if (saved / "tokenizer.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(saved), local_files_only=True, trust_remote_code=False)
+        except Exception:  # a damaged copy: built again
+            shutil.rmtree(saved, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True)
+    tmp = saved.with_name(f"{saved.name}.{os.getpid()}.tmp")
+    try:
+        tokenizer.save_pretrained(str(tmp))
+        tmp.rename(saved)
+    except OSError:  # a read-only checkout, or another process saved it first: this one is not needed
+        shutil.rmtree(tmp, ignore_errors=True)
     return tokenizer
 
 

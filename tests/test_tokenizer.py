@@ -126,3 +126,48 @@ def test_eos_is_the_files_own(tok):
     tk.set_eos(wrong, tk.gguf_eos_id(path))
     assert wrong.eos_token_id == 2
     assert data.render_chat(wrong, chat, 1000) == data.render_chat(tok, chat, 1000)
+
+
+def test_saved_tokenizer_is_the_built_one(tmp_path, monkeypatch):
+    """The GGUF file's tokenizer is built once and saved (TOKENIZER_DIR); a later load reads the saved copy,
+    which gives the built tokenizer's ids, tokens, special tokens and chat template. A damaged copy is built
+    again."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from eval.prompts import load_benchmark
+
+    monkeypatch.setattr(tk, "TOKENIZER_DIR", tmp_path)
+    calls = []
+    real = AutoTokenizer.from_pretrained
+
+    def spy(name, *a, **kw):
+        calls.append(kw.get("gguf_file", "saved"))
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", spy)
+    path = tk.default_gguf_path()
+    built = tk._gguf_tokenizer(path)
+    saved = tk._gguf_tokenizer(path)
+    assert calls == [path.name, "saved"]
+    (copy,) = tmp_path.iterdir()  # one saved copy, no temporary left
+    assert copy.name.startswith(path.stem) and (copy / "tokenizer.json").is_file()
+    texts = [tk.render_chat_text(built, m, True) for m in CONVERSATIONS.values()]
+    texts += [q["turns"][0] for q in load_benchmark("mtbench", n=80)] + ["<|im_end|><|endoftext|> \t\n\r ü"]
+    for text in texts:
+        assert (
+            saved(text, add_special_tokens=False)["input_ids"]
+            == built(text, add_special_tokens=False)["input_ids"]
+        )
+    ids = list(range(len(built)))
+    assert len(saved) == len(built) and saved.convert_ids_to_tokens(ids) == built.convert_ids_to_tokens(ids)
+    assert saved.decode(ids[:3000]) == built.decode(ids[:3000])
+    assert saved.chat_template == built.chat_template
+    assert (saved.bos_token_id, saved.pad_token_id) == (built.bos_token_id, built.pad_token_id)
+    assert saved.all_special_tokens == built.all_special_tokens
+    (copy / "tokenizer.json").write_text(json.dumps({"truncated": True}))
+    again = tk._gguf_tokenizer(path)
+    assert calls[-2:] == ["saved", path.name]  # the damaged copy failed to load; built again
+    assert again("Hi there")["input_ids"] == built("Hi there")["input_ids"]
+    assert (copy / "tokenizer.json").stat().st_size > 1_000_000
