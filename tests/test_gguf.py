@@ -3,8 +3,6 @@ file, parity with HF's own GGUF loader (after undoing its q/k permutation), and 
 
 from __future__ import annotations
 
-import os
-
 import gguf
 import numpy as np
 import pytest
@@ -139,14 +137,9 @@ def ckpt(real_path):
 
 
 @pytest.fixture(scope="module")
-def hf_state(real_path):
-    """HF's own GGUF loader (numpy dequantisation, q/k un-permuted to rotate_half). ~13 s."""
-    transformers = pytest.importorskip("transformers")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = transformers.LlamaForCausalLM.from_pretrained(
-        str(real_path.parent), gguf_file=real_path.name, dtype=torch.float32
-    )
-    return {k: v.detach() for k, v in model.state_dict().items()}
+def hf_state(hf_smollm2):
+    """HF's own GGUF loader's tensors (numpy dequantisation, q/k un-permuted to rotate_half)."""
+    return {k: v.detach() for k, v in hf_smollm2.state_dict().items()}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -12,11 +12,9 @@ from maverick.tokenizer import default_gguf_path, encode_chat, load_tokenizer
 
 
 @pytest.fixture(scope="module")
-def models():
-    from transformers import LlamaForCausalLM
-
+def models(hf_smollm2):
     path = default_gguf_path()
-    hf = LlamaForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    hf = hf_smollm2
     ours = {"dense": load_gguf_model(path, dtype=torch.float32), "codes": load_gguf_model(path, q4=True)}
     return hf, ours, load_tokenizer(path)
 

@@ -9,6 +9,7 @@ an HF directory by transformers loads to the same weights and logits bits as our
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -176,16 +177,16 @@ def test_generate_acceptance_and_bench_take_the_directory(llama_dir, trained, tm
     assert outputs["hf-generate"] == outputs["ours-plain"] == outputs["eagle3-k3"]
 
 
-def test_smollm2_as_hf_directory_equals_the_gguf_model(tmp_path):
+def test_smollm2_as_hf_directory_equals_the_gguf_model(tmp_path, hf_smollm2):
     """transformers writes SmolLM2-135M-Instruct as an HF directory from the GGUF (dequantised to fp32);
     loaded through the HF path it holds the same tensors as our GGUF load (q/k permuted back by us after
     transformers un-permuted them), so the fp32 logits are the same bits. (19 s of CPU, 56 s wall on the
     shared 2-core machine: mostly transformers' GGUF dequantisation and ours.)"""
     path = default_gguf_path()
-    hf = LlamaForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    hf = hf_smollm2  # transformers' load of the GGUF (tests/conftest.py)
     # a GGUF-loaded transformers model refuses save_pretrained (flagged quantised): copy it into a plain one
     with torch.device("meta"):
-        plain = LlamaForCausalLM(hf.config)
+        plain = LlamaForCausalLM(copy.deepcopy(hf.config))
     plain.load_state_dict(hf.state_dict(), assign=True)
     plain.tie_weights()
     del plain.config.quantization_config
