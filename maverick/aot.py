@@ -58,7 +58,7 @@ def require_cpu_engines(what: str) -> None:
         )
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -117,7 +117,7 @@ def package_key(weights: str, sources: Iterable[str | os.PathLike], **spec) -> s
         h.update(Path(src).read_bytes())
     env = {
         "torch": torch.__version__,
-        "cpu": (torch.backends.cpu.get_cpu_capability(), _cpu_name()),
+        "cpu": (torch.backends.cpu.get_cpu_capability(), cpu_name()),
         "threads": torch.get_num_threads(),
     }
     h.update(repr(sorted((env | spec).items())).encode())

@@ -19,13 +19,17 @@ in memory. Anything else (gradients, fp32, CUDA, `torch.compile`, no oneDNN) is 
 
 from __future__ import annotations
 
+import json
+import os
 import weakref
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from maverick.aot import cpu_name
 from maverick.codes import CODES_MAX_ROWS, CodePack, codes_matmul, use_codes
 from maverick.q4 import Q4_MAX_ROWS, Q4Weight, group_pack, q4_matmul, use_q4
 
@@ -145,6 +149,35 @@ def fused_linear(x: Tensor, layers: Sequence[nn.Module]) -> Tensor:
 
 # (kernel, N, K, dtype) -> (lo, hi): calls of lo..hi rows give every row the same bits
 _row_windows: dict[tuple, tuple[int, int]] = {}
+# the probed windows, kept for later processes (a process's first decoding step spent ~2 s probing SmolLM2's
+# shapes on 2 cores), per CPU and software: the repository's .cache, beside the AOT packages
+WINDOWS_FILE = Path(__file__).resolve().parent.parent / ".cache" / "row_windows.json"
+
+
+def _windows_key(kind: str, shape: tuple[int, int], dtype: torch.dtype) -> str:
+    """What a kernel's choice of code path may depend on besides its shape: torch (and its oneDNN), the CPU
+    and its vector ISA, the thread count."""
+    cpu = (torch.backends.cpu.get_cpu_capability(), cpu_name())
+    return repr((kind, *shape, str(dtype), torch.__version__, cpu, torch.get_num_threads()))
+
+
+def _saved_windows() -> dict[str, list[int]]:
+    try:
+        return json.loads(WINDOWS_FILE.read_text())
+    except (OSError, ValueError):  # none yet, or damaged: probed again
+        return {}
+
+
+def _save_window(key: str, window: tuple[int, int]) -> None:
+    """Add a probed window to WINDOWS_FILE (written under a temporary name and renamed)."""
+    saved = _saved_windows() | {key: list(window)}
+    tmp = WINDOWS_FILE.with_name(f"{WINDOWS_FILE.name}.{os.getpid()}.tmp")
+    try:
+        WINDOWS_FILE.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(saved, indent=0, sort_keys=True))
+        tmp.replace(WINDOWS_FILE)
+    except OSError:  # a read-only checkout: probed again next time
+        tmp.unlink(missing_ok=True)
 
 
 def invariant_rows(fn, kind: str, shape: tuple[int, int], dtype: torch.dtype) -> tuple[int, int]:
@@ -154,10 +187,15 @@ def invariant_rows(fn, kind: str, shape: tuple[int, int], dtype: torch.dtype) ->
     random rows, in calls of r rows for every r (a differing accumulation order shows in only a few of the
     64 x N results), first with lo = 1, then (if some count differs) lo = 2, 4, 8, keeping the widest
     window. (1, 64) for every SmolLM2 shape on the Xeon with AMX this was written on; (2, 64) for oneDNN's
-    bf16 kernel on a [576, 1536] weight on AMD EPYC (Zen 4), where one row takes another kernel than two."""
+    bf16 kernel on a [576, 1536] weight on AMD EPYC (Zen 4), where one row takes another kernel than two.
+    A window probed once is read back from WINDOWS_FILE by later processes on the same CPU and software."""
     key = (kind, *shape, dtype)
     window = _row_windows.get(key)
     if window is None:
+        saved = _saved_windows().get(_windows_key(kind, shape, dtype))
+        if saved is not None:
+            window = _row_windows[key] = tuple(saved)
+            return window
         x = torch.randn(PACKED_MAX_ROWS, shape[1], generator=torch.Generator().manual_seed(0)).to(dtype)
         window = (1, 1)
         with torch.no_grad():
@@ -171,6 +209,7 @@ def invariant_rows(fn, kind: str, shape: tuple[int, int], dtype: torch.dtype) ->
                 if hi == PACKED_MAX_ROWS:
                     break
         _row_windows[key] = window
+        _save_window(_windows_key(kind, shape, dtype), window)
     return window
 
 

@@ -186,3 +186,37 @@ def test_packed_copies_die_with_their_weights():
     del layer
     gc.collect()
     assert slot not in L._packs
+
+
+def test_probed_windows_are_kept_for_later_processes(tmp_path, monkeypatch):
+    """A window probed once is saved (WINDOWS_FILE) and read back by a later process (here: the in-process
+    table emptied) without probing; a damaged file is probed again and rewritten; the key names the thread
+    count."""
+    import json
+
+    import maverick.linear as lin
+
+    monkeypatch.setattr(lin, "WINDOWS_FILE", tmp_path / "windows.json")
+    monkeypatch.setattr(lin, "_row_windows", {})
+    calls = []
+    probe = lin.in_row_chunks
+    monkeypatch.setattr(lin, "in_row_chunks", lambda *a: calls.append(1) or probe(*a))
+    w = torch.randn(192, 576, generator=torch.Generator().manual_seed(3)).bfloat16()
+    args = (lambda z: linear(z, w), "saved", (192, 576), torch.bfloat16)
+    first = invariant_rows(*args)
+    probed = len(calls)
+    assert probed >= 64
+    key = lin._windows_key(*args[1:])
+    assert json.loads(lin.WINDOWS_FILE.read_text()) == {key: list(first)}
+    lin._row_windows.clear()
+    assert invariant_rows(*args) == first and len(calls) == probed  # read back, not probed
+    lin.WINDOWS_FILE.write_text('{"cut')
+    lin._row_windows.clear()
+    assert invariant_rows(*args) == first and len(calls) == 2 * probed
+    assert json.loads(lin.WINDOWS_FILE.read_text()) == {key: list(first)}
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        assert lin._windows_key(*args[1:]) != key
+    finally:
+        torch.set_num_threads(threads)
