@@ -485,7 +485,9 @@ def _parse(path: Path, buf: np.ndarray) -> GGUFHeader:
         name = c.string()
         dims = tuple(c.scalar("Q") for _ in range(c.scalar("I")))
         infos.append((name, dims, c.scalar("I"), c.scalar("Q")))
-    align = int(meta.get("general.alignment", 32))
+    align = meta.get("general.alignment", 32)
+    if type(align) is not int or align < 1:
+        raise _Unreadable(f"general.alignment is {align!r}, not a positive integer")
     start = -(-c.pos // align) * align
     tensors = []
     for name, dims, code, offset in infos:

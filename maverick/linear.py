@@ -162,10 +162,18 @@ def _windows_key(kind: str, shape: tuple[int, int], dtype: torch.dtype) -> str:
 
 
 def _saved_windows() -> dict[str, list[int]]:
+    """WINDOWS_FILE's windows that are windows: 1 <= lo <= hi <= PACKED_MAX_ROWS (the rest are probed again,
+    as is every window of a missing or damaged file)."""
     try:
-        return json.loads(WINDOWS_FILE.read_text())
-    except (OSError, ValueError):  # none yet, or damaged: probed again
+        saved = json.loads(WINDOWS_FILE.read_text())
+    except (OSError, ValueError):
         return {}
+    windows = {}
+    for key, w in saved.items() if isinstance(saved, dict) else ():
+        if isinstance(w, list) and len(w) == 2 and all(type(r) is int for r in w):
+            if 1 <= w[0] <= w[1] <= PACKED_MAX_ROWS:
+                windows[key] = w
+    return windows
 
 
 def _save_window(key: str, window: tuple[int, int]) -> None:

@@ -91,7 +91,8 @@ def _gguf_tokenizer(p: pathlib.Path):
         try:
             return AutoTokenizer.from_pretrained(str(saved), local_files_only=True, trust_remote_code=False)
         except Exception:  # a damaged copy: built again
-            shutil.rmtree(saved, ignore_errors=True)
+            pass
+    shutil.rmtree(saved, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True)
     tmp = saved.with_name(f"{saved.name}.{os.getpid()}.tmp")
     try:

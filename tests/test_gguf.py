@@ -3,6 +3,8 @@ file, parity with HF's own GGUF loader (after undoing its q/k permutation), and 
 
 from __future__ import annotations
 
+import struct
+
 import gguf
 import numpy as np
 import pytest
@@ -416,6 +418,14 @@ def test_header_faults_name_the_file(tmp_path, real_path):
     with open(real_path, "rb") as f:
         p.write_bytes(f.read(1_000_000))  # inside the token list
     with pytest.raises(ValueError, match=r"not a readable GGUF file \(1000000 bytes.*strings.*past the end"):
+        read_gguf(p)
+    key = b"general.alignment"
+    head = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+    p.write_bytes(head + struct.pack("<II", 4, 0))  # an alignment of 0
+    with pytest.raises(ValueError, match=r"not a readable GGUF file .*general.alignment is 0"):
+        read_gguf(p)
+    p.write_bytes(head + struct.pack("<I", 13))  # no such value type
+    with pytest.raises(ValueError, match=r"not a readable GGUF file .*unknown metadata value type 13"):
         read_gguf(p)
     p.write_bytes(b"")
     with pytest.raises(ValueError, match=r"bad.gguf: not a readable GGUF file \(0 bytes"):

@@ -214,6 +214,9 @@ def test_probed_windows_are_kept_for_later_processes(tmp_path, monkeypatch):
     lin._row_windows.clear()
     assert invariant_rows(*args) == first and len(calls) == 2 * probed
     assert json.loads(lin.WINDOWS_FILE.read_text()) == {key: list(first)}
+    lin.WINDOWS_FILE.write_text(json.dumps({key: [0, 99]}))  # not a window: probed again
+    lin._row_windows.clear()
+    assert invariant_rows(*args) == first and len(calls) == 3 * probed
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1 if threads > 1 else 2)
