@@ -10,6 +10,7 @@ own in its metadata.
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any
@@ -105,5 +106,46 @@ def load_hf_reference(path: str | os.PathLike | None = None, dtype: torch.dtype 
     if p.is_dir():
         model = AutoModelForCausalLM.from_pretrained(p, use_safetensors=True, **kw)
     else:
-        model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, **kw)
+        model = _hf_from_gguf(p, kw)
     return model.to(dtype).eval()
+
+
+# transformers' own loads of GGUF files, saved as HF directories (the repository's .cache)
+HF_DIR = Path(__file__).resolve().parent.parent / ".cache" / "hf"
+
+
+def _hf_from_gguf(p: Path, kw: dict[str, Any]):
+    """transformers' load of the GGUF file `p` (its own dequantisation and q/k layout, independent of ours):
+    from its saved copy in HF_DIR (named by the file's path, size and time and transformers' version), else
+    read from the file (~15 s for SmolLM2 on 2 cores, mostly parsing the GGUF in Python) and saved there in
+    fp32 safetensors under a temporary name, renamed. The copy holds the same tensors (tests/test_target.py)."""
+    import hashlib
+    import shutil
+
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    st = p.stat()
+    key = repr((str(p.resolve()), st.st_size, st.st_mtime_ns, transformers.__version__)).encode()
+    saved = HF_DIR / f"{p.stem}-{hashlib.blake2b(key, digest_size=10).hexdigest()}"
+    if (saved / "config.json").is_file():
+        try:
+            return AutoModelForCausalLM.from_pretrained(saved, use_safetensors=True, **kw)
+        except Exception:  # a damaged copy: read again
+            pass
+    shutil.rmtree(saved, ignore_errors=True)
+    model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, **kw)
+    tmp = saved.with_name(f"{saved.name}.{os.getpid()}.tmp")
+    try:
+        # a GGUF-loaded model refuses save_pretrained (it is flagged quantised): its tensors go into a plain one
+        config = copy.deepcopy(model.config)
+        del config.quantization_config
+        with torch.device("meta"):
+            plain = type(model)(config)
+        plain.load_state_dict(model.state_dict(), assign=True)
+        plain.tie_weights()
+        plain.save_pretrained(tmp)
+        tmp.rename(saved)
+    except OSError:  # a read-only checkout, or another process saved it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return model

@@ -200,3 +200,41 @@ def test_smollm2_as_hf_directory_equals_the_gguf_model(tmp_path, hf_smollm2):
     assert ids == encode_chat(load_target_tokenizer(path), msgs)
     with torch.no_grad():
         assert torch.equal(from_dir(torch.tensor([ids])).logits, from_gguf(torch.tensor([ids])).logits)
+
+
+def test_hf_reference_of_a_gguf_is_saved_and_read_back(tmp_path, monkeypatch, hf_smollm2):
+    """load_hf_reference reads a GGUF through transformers once and saves what it read (HF_DIR); a later
+    call loads the saved copy: the same tensors bit for bit, tied head included, the same config and logits.
+    A damaged copy is read from the GGUF again. (transformers' GGUF read is the session's fixture here.)"""
+    from transformers import AutoModelForCausalLM
+
+    import maverick.target as target
+
+    monkeypatch.setattr(target, "HF_DIR", tmp_path)
+    real, reads = AutoModelForCausalLM.from_pretrained, []
+
+    def spy(name, *a, **kw):
+        reads.append("gguf" if "gguf_file" in kw else "saved")
+        return hf_smollm2 if "gguf_file" in kw else real(name, *a, **kw)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
+    assert load_hf_reference(None) is hf_smollm2
+    (saved,) = tmp_path.iterdir()  # one copy, no temporary left
+    again = load_hf_reference(None)
+    assert reads == ["gguf", "saved"] and again is not hf_smollm2
+    a, b = again.state_dict(), hf_smollm2.state_dict()
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert again.lm_head.weight.data_ptr() == again.model.embed_tokens.weight.data_ptr()  # still tied
+    skip = {
+        "quantization_config",
+        "_name_or_path",
+        "architectures",
+    }  # the GGUF's; the saved copy names its own
+    want = {k: v for k, v in hf_smollm2.config.to_dict().items() if k not in skip}
+    assert {k: v for k, v in again.config.to_dict().items() if k in want} == want
+    x = torch.tensor([[1, 9690, 28, 2683, 314, 260, 6284, 2829, 47, 2]])
+    with torch.no_grad():
+        assert torch.equal(again(x).logits, hf_smollm2(x).logits)
+    (saved / "model.safetensors").write_bytes(b"cut")
+    assert load_hf_reference(None) is hf_smollm2 and reads[-2:] == ["saved", "gguf"]
+    assert (saved / "model.safetensors").stat().st_size > 500_000_000
