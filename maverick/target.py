@@ -23,7 +23,7 @@ from maverick.config import Llama4Config
 from maverick.gguf_loader import default_gguf_path
 from maverick.gguf_model import load_gguf_model
 from maverick.model import Llama4
-from maverick.tokenizer import load_tokenizer
+from maverick.tokenizer import load_tokenizer, saved_copy_dir
 
 TARGET_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TARGET_HELP = "target: a llama .gguf file or an HF checkpoint directory (default SmolLM2-135M-Instruct GGUF)"
@@ -119,15 +119,11 @@ def _hf_from_gguf(p: Path, kw: dict[str, Any]):
     from its saved copy in HF_DIR (named by the file's path, size and time and transformers' version), else
     read from the file (~15 s for SmolLM2 on 2 cores, mostly parsing the GGUF in Python) and saved there in
     fp32 safetensors under a temporary name, renamed. The copy holds the same tensors (tests/test_target.py)."""
-    import hashlib
     import shutil
 
-    import transformers
     from transformers import AutoModelForCausalLM
 
-    st = p.stat()
-    key = repr((str(p.resolve()), st.st_size, st.st_mtime_ns, transformers.__version__)).encode()
-    saved = HF_DIR / f"{p.stem}-{hashlib.blake2b(key, digest_size=10).hexdigest()}"
+    saved = saved_copy_dir(HF_DIR, p)
     if (saved / "config.json").is_file():
         try:
             return AutoModelForCausalLM.from_pretrained(saved, use_safetensors=True, **kw)

@@ -77,16 +77,23 @@ def _load_tokenizer_cached(path: str):
     return tokenizer
 
 
+def saved_copy_dir(root: pathlib.Path, p: pathlib.Path) -> pathlib.Path:
+    """Where something transformers read from the GGUF file `p` is saved under `root`: named by the file's
+    path, size and time and by transformers' version, so a changed file or release reads it again."""
+    import transformers
+
+    st = p.stat()
+    key = repr((str(p.resolve()), st.st_size, st.st_mtime_ns, transformers.__version__)).encode()
+    return root / f"{p.stem}-{hashlib.blake2b(key, digest_size=10).hexdigest()}"
+
+
 def _gguf_tokenizer(p: pathlib.Path):
     """transformers' tokenizer of the GGUF file `p`: loaded from its saved copy in TOKENIZER_DIR (named by the
     file's path, size and time and transformers' version), else built from the file and saved there (under
     a temporary name, renamed: a build cut short leaves nothing that a later run would load)."""
-    import transformers
     from transformers import AutoTokenizer
 
-    st = p.stat()
-    key = repr((str(p), st.st_size, st.st_mtime_ns, transformers.__version__)).encode()
-    saved = TOKENIZER_DIR / f"{p.stem}-{hashlib.blake2b(key, digest_size=10).hexdigest()}"
+    saved = saved_copy_dir(TOKENIZER_DIR, p)
     if (saved / "tokenizer.json").is_file():
         try:
             return AutoTokenizer.from_pretrained(str(saved), local_files_only=True, trust_remote_code=False)
