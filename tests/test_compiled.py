@@ -50,6 +50,19 @@ def make_draft(target: Llama4, seed: int = 1, **variant) -> Eagle3Draft:
     return d.to(torch.bfloat16).eval()
 
 
+def package_names_only(monkeypatch, module: str) -> list[str]:
+    """Make `module`'s load_or_build record the name of the package it was asked for and raise KeyError
+    instead of building it: a package's name is checked without the build. The names, in call order."""
+    keys = []
+
+    def name_only(step, args, dynamic, options, key, directory=None):
+        keys.append(key)
+        raise KeyError(key)
+
+    monkeypatch.setattr(f"{module}.load_or_build", name_only)
+    return keys
+
+
 # the CPU engines refuse a torch before 2.13 (maverick.aot.supported); the CUDA test below runs on any
 cpu_engines = pytest.mark.skipif(not supported(), reason=f"CPU engines refuse torch {torch.__version__}")
 
@@ -156,13 +169,7 @@ def test_aot_packages_are_named_by_their_weights(engine, monkeypatch):
     for m in eps.modules():
         if hasattr(m, "eps"):
             m.eps = 0.1
-    keys = []
-
-    def name_only(module, args, dynamic, options, key, directory=None):
-        keys.append(key)
-        raise KeyError(key)
-
-    monkeypatch.setattr("maverick.compiled.load_or_build", name_only)
+    keys = package_names_only(monkeypatch, "maverick.compiled")
     for model in (make_target(), eps):  # the first bucket's name; the same config's is the engine's
         with pytest.raises(KeyError):
             CompiledTarget(model, MAX_LEN, FEATURES, rows=ROWS).compile()
@@ -461,13 +468,7 @@ def test_compiled_eagle31_draft_matches_the_eager_draft(monkeypatch):
     # not built; the same draft's name is the one built above)
     plain = make_draft(make_target(), fc_norm=True)
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), draft.state_dict().values()))
-    keys = []
-
-    def name_only(module, args, dynamic, options, key, directory=None):
-        keys.append(key)
-        raise KeyError(key)
-
-    monkeypatch.setattr("eagle3.compiled_draft.load_or_build", name_only)
+    keys = package_names_only(monkeypatch, "eagle3.compiled_draft")
     for d in (make_draft(make_target(), fc_norm=True, norm_output=True), plain):
         d = CompiledDraft(d, MAX_LEN, max_rows=8)
         with pytest.raises(KeyError):
