@@ -200,7 +200,8 @@ def invariant_rows(fn, kind: str, shape: tuple[int, int], dtype: torch.dtype) ->
     key = (kind, *shape, dtype)
     window = _row_windows.get(key)
     if window is None:
-        saved = _saved_windows().get(_windows_key(kind, shape, dtype))
+        disk_key = _windows_key(kind, shape, dtype)
+        saved = _saved_windows().get(disk_key)
         if saved is not None:
             window = _row_windows[key] = tuple(saved)
             return window
@@ -217,7 +218,7 @@ def invariant_rows(fn, kind: str, shape: tuple[int, int], dtype: torch.dtype) ->
                 if hi == PACKED_MAX_ROWS:
                     break
         _row_windows[key] = window
-        _save_window(_windows_key(kind, shape, dtype), window)
+        _save_window(disk_key, window)
     return window
 
 

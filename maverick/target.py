@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from maverick.checkpoint import load_hf, load_hf_tables
+from maverick.checkpoint import atomic_dir, load_hf, load_hf_tables
 from maverick.cli import UserError
 from maverick.config import Llama4Config
 from maverick.gguf_loader import default_gguf_path
@@ -118,9 +118,7 @@ def _hf_from_gguf(p: Path, kw: dict[str, Any]):
     """transformers' load of the GGUF file `p` (its own dequantisation and q/k layout, independent of ours):
     from its saved copy in HF_DIR (named by the file's path, size and time and transformers' version), else
     read from the file (~15 s for SmolLM2 on 2 cores, mostly parsing the GGUF in Python) and saved there in
-    fp32 safetensors under a temporary name, renamed. The copy holds the same tensors (tests/test_target.py)."""
-    import shutil
-
+    fp32 safetensors (`atomic_dir`). The copy holds the same tensors (tests/test_target.py)."""
     from transformers import AutoModelForCausalLM
 
     saved = saved_copy_dir(HF_DIR, p)
@@ -129,19 +127,17 @@ def _hf_from_gguf(p: Path, kw: dict[str, Any]):
             return AutoModelForCausalLM.from_pretrained(saved, use_safetensors=True, **kw)
         except Exception:  # a damaged copy: read again
             pass
-    shutil.rmtree(saved, ignore_errors=True)
     model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, **kw)
-    tmp = saved.with_name(f"{saved.name}.{os.getpid()}.tmp")
+    # a GGUF-loaded model refuses save_pretrained (it is flagged quantised): its tensors go into a plain one
+    config = copy.deepcopy(model.config)
+    del config.quantization_config
+    with torch.device("meta"):
+        plain = type(model)(config)
+    plain.load_state_dict(model.state_dict(), assign=True)
+    plain.tie_weights()
     try:
-        # a GGUF-loaded model refuses save_pretrained (it is flagged quantised): its tensors go into a plain one
-        config = copy.deepcopy(model.config)
-        del config.quantization_config
-        with torch.device("meta"):
-            plain = type(model)(config)
-        plain.load_state_dict(model.state_dict(), assign=True)
-        plain.tie_weights()
-        plain.save_pretrained(tmp)
-        tmp.rename(saved)
-    except OSError:  # a read-only checkout, or another process saved it first
-        shutil.rmtree(tmp, ignore_errors=True)
+        with atomic_dir(saved) as tmp:
+            plain.save_pretrained(tmp)
+    except OSError:  # a read-only checkout: read from the GGUF again next time
+        pass
     return model

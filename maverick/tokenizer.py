@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import pathlib
-import shutil
 from collections.abc import Mapping, Sequence
 
+from maverick.checkpoint import atomic_dir
 from maverick.gguf_loader import default_gguf_path, read_metadata
 
 # a GGUF file's tokenizer as transformers built it, saved (the repository's .cache, beside the AOT packages)
@@ -89,8 +88,8 @@ def saved_copy_dir(root: pathlib.Path, p: pathlib.Path) -> pathlib.Path:
 
 def _gguf_tokenizer(p: pathlib.Path):
     """transformers' tokenizer of the GGUF file `p`: loaded from its saved copy in TOKENIZER_DIR (named by the
-    file's path, size and time and transformers' version), else built from the file and saved there (under
-    a temporary name, renamed: a build cut short leaves nothing that a later run would load)."""
+    file's path, size and time and transformers' version), else built from the file and saved there
+    (`atomic_dir`: a build cut short leaves nothing that a later run would load; a damaged copy is replaced)."""
     from transformers import AutoTokenizer
 
     saved = saved_copy_dir(TOKENIZER_DIR, p)
@@ -99,14 +98,12 @@ def _gguf_tokenizer(p: pathlib.Path):
             return AutoTokenizer.from_pretrained(str(saved), local_files_only=True, trust_remote_code=False)
         except Exception:  # a damaged copy: built again
             pass
-    shutil.rmtree(saved, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True)
-    tmp = saved.with_name(f"{saved.name}.{os.getpid()}.tmp")
     try:
-        tokenizer.save_pretrained(str(tmp))
-        tmp.rename(saved)
-    except OSError:  # a read-only checkout, or another process saved it first: this one is not needed
-        shutil.rmtree(tmp, ignore_errors=True)
+        with atomic_dir(saved) as tmp:
+            tokenizer.save_pretrained(str(tmp))
+    except OSError:  # a read-only checkout: built again next time
+        pass
     return tokenizer
 
 
