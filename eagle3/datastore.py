@@ -48,6 +48,7 @@ from torch import Tensor
 FORMAT = "maverick-eagle datastore v1"
 _SEP = -1  # between runs: no n-gram spans it and no continuation crosses it
 _BITS = 16  # per token in a key
+MAX_SIZE = 64 // _BITS  # the longest n-gram a 64-bit key holds
 _OFFSET = 2 ** (_BITS - 1)  # the first token is offset so that a 4-gram's key fits a signed 64-bit int
 
 
@@ -76,8 +77,8 @@ class Datastore:
         max_candidates: int = 256,
     ):
         self.sizes = tuple(sorted({int(n) for n in sizes}, reverse=True))
-        if not self.sizes or not all(1 <= n <= 64 // _BITS for n in self.sizes):
-            raise ValueError(f"Datastore.sizes must be n-gram sizes in 1..{64 // _BITS}, got {tuple(sizes)}")
+        if not self.sizes or not all(1 <= n <= MAX_SIZE for n in self.sizes):
+            raise ValueError(f"Datastore.sizes must be n-gram sizes in 1..{MAX_SIZE}, got {tuple(sizes)}")
         if max_tokens < 1 or max_candidates < 1:
             raise ValueError(
                 f"Datastore needs max_tokens >= 1 and max_candidates >= 1, got {max_tokens}, {max_candidates}"

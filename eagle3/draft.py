@@ -131,6 +131,10 @@ class DraftConfig:
         if not isinstance(d, dict):
             raise UserError(f"{source}: expected a JSON object, got {type(d).__name__}")
         arch = d.get("architectures") or []
+        if not (isinstance(arch, list) and all(isinstance(a, str) for a in arch)):
+            raise UserError(f"{source}: architectures must be a list of names, got {arch!r}")
+        if not isinstance(d.get("eagle_config") or {}, dict):
+            raise UserError(f"{source}: eagle_config must be a JSON object, got {d['eagle_config']!r}")
         if not any("Eagle3" in a or "eagle3" in a.lower() for a in arch):
             raise UserError(
                 f"{source}: architectures {arch} is not an EAGLE-3 draft (LlamaForCausalLMEagle3)"
@@ -140,6 +144,16 @@ class DraftConfig:
         for key in ("hidden_size", "num_attention_heads", "vocab_size", "intermediate_size"):
             if key not in d:
                 raise UserError(f"{source}: missing field {key!r}")
+        for key in _COUNTS:
+            if d.get(key) is not None and not (type(d[key]) is int and d[key] >= 1):
+                raise UserError(f"{source}: {key} must be a positive integer, got {d[key]!r}")
+        for key in ("rms_norm_eps", "rope_theta"):
+            if key in d and not (type(d[key]) in (int, float) and d[key] > 0):
+                raise UserError(f"{source}: {key} must be a positive number, got {d[key]!r}")
+        if not isinstance(d.get("rope_scaling") or {}, dict):
+            raise UserError(
+                f"{source}: rope_scaling must be a JSON object or null, got {d['rope_scaling']!r}"
+            )
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in names and k not in ("extra", "feature_layers")}
         kw.setdefault("num_key_value_heads", d["num_attention_heads"])
@@ -165,6 +179,9 @@ class DraftConfig:
 
 
 VLLM_AUX_KEY = "eagle_aux_hidden_state_layer_ids"
+# config.json fields that are counts (checked before they size anything)
+_COUNTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+           "vocab_size", "draft_vocab_size", "target_hidden_size", "max_position_embeddings")  # fmt: skip
 
 # The norm variants of `DraftConfig`. Which engines load a draft that sets one (read from their code, 2026-12):
 # - vLLM's llama_eagle3 (main branch) reads all four, weights `input_norm.weight` and `fc_norm.{i}.weight`.

@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from eagle3.draft import check_feature_layers, load_draft
-from eval.prompts import BENCHMARKS, load_benchmark
-from maverick.cli import positive_int, run_cli
+from eval.prompts import BENCHMARKS, check_prompts_option, load_benchmark
+from maverick.cli import add_threads_option, positive_int, run_cli
 from maverick.target import TARGET_HELP, load_target, load_target_tokenizer
 from maverick.tokenizer import encode_chat
 from train.acceptance import (
@@ -48,9 +48,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--steps", type=positive_int, default=5, help="draft positions scored")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--target", "--gguf", dest="target", default=None, help=TARGET_HELP)
-    ap.add_argument("--threads", type=int, default=None)
+    add_threads_option(ap)
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
+    check_prompts_option(args.bench, args.prompts)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32

@@ -59,7 +59,7 @@ from eagle3.spec import SpecDecoder, TreeConfig
 from eagle3.tuner import DraftLengthTuner, FixedK
 from eval.distcheck import DistCheck, check_method
 from eval.llama_cpp import LlamaCpp, is_llama_cpp, require
-from eval.prompts import load_benchmark
+from eval.prompts import BENCHMARKS, check_prompts_option, load_benchmark
 from eval.report import (
     BOLD_RED,
     COMPILED_SUFFIX,
@@ -73,9 +73,9 @@ from eval.report import (
     variant,
     write_report,
 )
-from maverick.cli import UserError, positive_int, run_cli
+from maverick.cli import UserError, add_threads_option, nonnegative_int, positive_int, run_cli
 from maverick.generate import Decoder
-from maverick.sampling import SamplingParams
+from maverick.sampling import SamplingParams, add_sampling_options
 from maverick.target import TARGET_HELP, load_hf_reference, load_target, load_target_tokenizer
 from maverick.tokenizer import default_gguf_path, encode_chat
 
@@ -207,6 +207,16 @@ def check_method_names(methods: list[str]) -> None:
         base = m.removesuffix(variant(m))
         if base not in ("ours-plain", "hf-generate", "hf-prompt-lookup") and not is_llama_cpp(base):
             method_parts(base)
+
+
+def check_datastore_option(args, methods: list[str]) -> None:
+    """The datastore of the `+store` methods exists, and a --datastore given is read by one of them."""
+    store = [m for m in methods if m.removesuffix(variant(m)).endswith("+store")]
+    if args.datastore and not store:
+        raise UserError("--datastore is read by methods named <method>+lookup+store only; none of --methods is")
+    path = datastore_path(args)
+    if store and not path.is_file():
+        raise UserError(f"{path}: no datastore for {store[0]} (build one with python -m train.datastore)")
 
 
 def build_decoder(name: str, target, draft, max_len: int, args) -> Decoder | SpecDecoder:
@@ -365,10 +375,10 @@ def fit_prompt(ids: list[int], args, where: str, cut: list[str]) -> list[int]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bench", default="mtbench", help="mtbench | humaneval | sharegpt-heldout | jsonl")
+    ap.add_argument("--bench", choices=BENCHMARKS, default="mtbench")
     ap.add_argument("--prompts", default=None, help="JSONL of prompts for --bench jsonl")
-    ap.add_argument("--n", type=int, default=10, help="number of prompts (default 10)")
-    ap.add_argument("--turns", type=int, default=2, help="turns per prompt (MT-bench has 2)")
+    ap.add_argument("--n", type=positive_int, default=10, help="number of prompts (default 10)")
+    ap.add_argument("--turns", type=positive_int, default=2, help="turns per prompt (MT-bench has 2)")
     ap.add_argument("--max-new-tokens", type=positive_int, default=128)
     ap.add_argument("--max-prompt-tokens", type=positive_int, default=1024)
     ap.add_argument("--long-prompts", choices=("error", "truncate"), default="error",
@@ -376,10 +386,7 @@ def main(argv=None) -> int:
                          "keep its last --max-prompt-tokens tokens and count it in the report")  # fmt: skip
     ap.add_argument("--methods", default=",".join(ALL_METHODS))
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
+    add_sampling_options(ap)
     ap.add_argument("--target", "--gguf", dest="gguf", default=None, help=TARGET_HELP)
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT), help="EAGLE-3 draft directory")
     ap.add_argument("--datastore", default=None,
@@ -387,13 +394,13 @@ def main(argv=None) -> int:
                          "beside the draft directory; build one with python -m train.datastore)")  # fmt: skip
     # the tree that did best with prompt lookup on this 2-core CPU (of 3/3/8, 3/4/12, 4/3/10, 4/4/14, 5/2/10,
     # 5/6/24: MT-bench, 3 questions); GPUs, where verifying more nodes costs next to nothing, take bigger ones
-    ap.add_argument("--tree-depth", type=int, default=3)
-    ap.add_argument("--tree-top-k", type=int, default=4)
-    ap.add_argument("--tree-tokens", type=int, default=12)
+    ap.add_argument("--tree-depth", type=positive_int, default=3)
+    ap.add_argument("--tree-top-k", type=positive_int, default=4)
+    ap.add_argument("--tree-tokens", type=positive_int, default=12)
     ap.add_argument(
-        "--lookup-tokens", type=int, default=10, help="tokens a prompt-lookup copy drafts at most"
+        "--lookup-tokens", type=positive_int, default=10, help="tokens a prompt-lookup copy drafts at most"
     )
-    ap.add_argument("--lookup-streak-tokens", type=int, default=20,
+    ap.add_argument("--lookup-streak-tokens", type=positive_int, default=20,
                     help="... after a copy accepted in full (LookupConfig.streak_tokens; 10 = off)")  # fmt: skip
     ap.add_argument("--lookup-fixed", action="store_true",
                     help="copies always draft the cap (--lookup-tokens / --lookup-streak-tokens), not the length "
@@ -407,11 +414,11 @@ def main(argv=None) -> int:
                     help="FP8 weight-only layers (emulated on CPU) for the target and/or the draft of every "
                          "method; to compare FP8 with bf16 in one run, add methods named <method>+fp8 "
                          "(e.g. ours-plain+fp8,eagle3-tuned+fp8): they use an FP8 copy of the target")  # fmt: skip
-    ap.add_argument("--dist-samples", type=int, default=500,
+    ap.add_argument("--dist-samples", type=nonnegative_int, default=500,
                     help="temperature > 0: rows per method in the distribution check of the first speculative "
                          "token (0: skip; see eval/distcheck.py)")  # fmt: skip
-    ap.add_argument("--dist-prompts", type=int, default=2, help="prompts in the distribution check")
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dist-prompts", type=positive_int, default=2, help="prompts in the distribution check")
+    add_threads_option(ap)
     ap.add_argument("--out", default=None, help="report directory (default results/bench-<time>)")
     ap.add_argument("--preset", choices=list(PRESETS), default="full",
                     help="quick: 3 questions, 7 methods (make bench, ~5 min); full: the defaults above "
@@ -421,8 +428,10 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    check_prompts_option(args.bench, args.prompts)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     check_method_names(methods)
+    check_datastore_option(args, methods)
     if args.preset == "engine" and args.methods == PRESETS["engine"]["methods"]:
         methods = without_missing_llama_cpp(methods)
     for m in filter(is_llama_cpp, methods):

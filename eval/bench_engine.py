@@ -23,8 +23,8 @@ from eagle3.lookup import LookupConfig
 from eagle3.spec import SpecDecoder
 from eagle3.tuner import DraftLengthTuner
 from eval.bench import DEFAULT_DRAFT
-from eval.prompts import load_benchmark
-from maverick.cli import run_cli
+from eval.prompts import BENCHMARKS, load_benchmark
+from maverick.cli import UserError, add_threads_option, positive_int, positive_int_list, run_cli
 from maverick.compiled import CompiledTarget
 from maverick.generate import Decoder
 from maverick.target import TARGET_HELP, default_target_path, load_target, load_target_tokenizer
@@ -133,23 +133,24 @@ def verify_costs(
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bench", default="mtbench")
-    ap.add_argument("--n", type=int, default=3, help="prompts (first turns)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--max-len", type=int, default=1024, help="the compiled engine's cache length")
-    ap.add_argument("--rows", default="2,4,8,12,24", help="verify buckets (the decode bucket is added)")
+    ap.add_argument("--bench", choices=[b for b in BENCHMARKS if b != "jsonl"], default="mtbench")
+    ap.add_argument("--n", type=positive_int, default=3, help="prompts (first turns)")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=128)
+    ap.add_argument("--max-len", type=positive_int, default=1024, help="the compiled engine's cache length")
+    ap.add_argument("--rows", type=positive_int_list, default="2,4,8,12,24",
+                    help="verify buckets (the decode bucket is added)")  # fmt: skip
     ap.add_argument("--autotune", action="store_true", help="inductor max_autotune (long compiles)")
-    ap.add_argument("--reps", type=int, default=20, help="calls per step timing")
+    ap.add_argument("--reps", type=positive_int, default=20, help="calls per step timing")
     ap.add_argument("--every-row", action="store_true", help="step times for every row count, not buckets")
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
     ap.add_argument("--target", "--gguf", dest="target", default=None, help=TARGET_HELP)
     ap.add_argument("--no-spec", action="store_true")
     ap.add_argument(
-        "--lookup-streak-tokens", type=int, default=20, help="LookupConfig.streak_tokens (10 = off)"
+        "--lookup-streak-tokens", type=positive_int, default=20, help="LookupConfig.streak_tokens (10 = off)"
     )
     ap.add_argument("--compile-draft", action="store_true", help="compile the eager engine's draft too")
     ap.add_argument("--profile", action="store_true", help="profile 20 compiled decode steps (top ops)")
-    ap.add_argument("--threads", type=int, default=None)
+    add_threads_option(ap)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.threads:
@@ -159,10 +160,17 @@ def main(argv=None) -> int:
     print(json.dumps(config), flush=True)
 
     tok = load_target_tokenizer(gguf)
+    prompts = prompt_ids(tok, args.bench, args.n)
+    longest = max(map(len, prompts))
+    if longest + args.max_new_tokens > args.max_len:
+        raise UserError(
+            f"--max-len {args.max_len} holds no {longest}-token prompt (the longest of --n {args.n}) and "
+            f"--max-new-tokens {args.max_new_tokens}: give --max-len {longest + args.max_new_tokens} or more"
+        )
     target = load_target(gguf, dtype=torch.bfloat16)
     draft = load_draft(args.draft, dtype=torch.bfloat16)
     feats = tuple(draft.config.feature_layers)
-    rows = tuple(int(r) for r in args.rows.split(","))
+    rows = tuple(args.rows)
     t0 = time.perf_counter()
     engine = CompiledTarget(target, args.max_len, feats, rows=rows, autotune=args.autotune)
     secs = engine.compile()
@@ -174,7 +182,6 @@ def main(argv=None) -> int:
     }
     print(json.dumps({"compile": result}), flush=True)
 
-    prompts = prompt_ids(tok, args.bench, args.n)
     eos = target.config.eos_ids
     result |= verify_costs(target, engine, feats, prompts[0], args.reps, args.every_row)
     print(json.dumps({k: round(v, 3) for k, v in result.items() if k.endswith(("ms", "T1"))}), flush=True)

@@ -26,7 +26,10 @@ from pathlib import Path
 
 import torch
 
-from maverick.cli import run_cli
+from maverick.cli import (
+    positive_int,
+    run_cli,
+)
 from maverick.fp8 import E4M3, fp8_mm, quantize_current, scaled_mm_supported, sqnr
 
 H, I_EXPERT, I_DENSE, KV = 5120, 8192, 16384, 1024
@@ -138,8 +141,8 @@ def check_cpu() -> list[dict]:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 4096])
-    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--tokens", type=positive_int, nargs="+", default=[1, 8, 64, 512, 4096])
+    p.add_argument("--iters", type=positive_int, default=50)
     p.add_argument("--out", type=Path, default=Path("eval/results/bench_fp8_gemm.json"))
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available() and scaled_mm_supported("cuda")

@@ -14,7 +14,10 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from maverick.cli import run_cli
+from maverick.cli import (
+    positive_int,
+    run_cli,
+)
 from train.fit import LOG_FILE
 
 
@@ -72,7 +75,7 @@ def plot(logs: dict[str, list[dict]], path: Path) -> None:
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", help="train.fit output directories (or their train_log.jsonl)")
-    ap.add_argument("--window", type=int, default=10)
+    ap.add_argument("--window", type=positive_int, default=10)
     ap.add_argument("--out", type=Path, default=None, help="PNG of the curves")
     args = ap.parse_args(argv)
     logs = {str(r): read_log(r) for r in args.runs}

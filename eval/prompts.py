@@ -182,6 +182,14 @@ def load_jsonl_prompts(path: str | pathlib.Path) -> list[dict[str, Any]]:
     return prompts
 
 
+def check_prompts_option(bench: str, prompts: str | None) -> None:
+    """A command's `--bench jsonl` needs its `--prompts` file: say so before any model loads."""
+    if bench == "jsonl" and not prompts:
+        raise UserError(
+            "--bench jsonl needs --prompts FILE (a JSONL of prompts: 'prompt', 'turns' or 'messages')"
+        )
+
+
 def load_benchmark(
     name: str, n: int | None = None, path: str | pathlib.Path | None = None
 ) -> list[dict[str, Any]]:

@@ -20,14 +20,18 @@ A new CLI needs two lines:
         run_cli(main)
 
 where `main(argv)` parses `argv` (a list without the program name) and returns None, a result (exit
-status 0) or an int exit status. Checks of what the user gave raise `UserError(...)`; `positive_int` /
-`nonnegative_int` are argparse types that reject out-of-range counts before any work starts.
+status 0) or an int exit status. Checks of what the user gave raise `UserError(...)`. The argparse types
+below (`positive_int`, `nonnegative_int`, `positive_float`, `nonnegative_float`, `share`, `heldout_fraction`,
+`top_p`, `int_list`, `positive_int_list`, `device`) reject an out-of-range value before any work starts: every
+numeric option of an entry point takes one (tests/test_cli_errors.py checks); `add_threads_option` adds the
+shared `--threads`.
 `read_utf8(path)` reads a text file and names the file, line and column of a byte that is not UTF-8.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -105,3 +109,90 @@ def _int_at_least(text: str, low: int) -> int:
     if value < low:
         raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
     return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (a learning rate, a budget in minutes)."""
+    return _float_in(text, 0.0, math.inf, low_open=True)
+
+
+def nonnegative_float(text: str) -> float:
+    """argparse type: a finite number >= 0 (a temperature, a clipping norm where 0 is off)."""
+    return _float_in(text, 0.0, math.inf)
+
+
+def share(text: str) -> float:
+    """argparse type: a number in [0, 1] (a share of a budget, a ratio)."""
+    return _float_in(text, 0.0, 1.0)
+
+
+def heldout_fraction(text: str) -> float:
+    """argparse type: a number in [0, 1) (what is held out of a split: all of it would leave no training data)."""
+    return _float_in(text, 0.0, 1.0, high_open=True)
+
+
+def top_p(text: str) -> float:
+    """argparse type: a nucleus mass in (0, 1] (1 = off)."""
+    return _float_in(text, 0.0, 1.0, low_open=True)
+
+
+def _float_in(text: str, low: float, high: float, low_open: bool = False, high_open: bool = False) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    below = value <= low if low_open else value < low
+    above = value >= high if high_open else value > high
+    if not math.isfinite(value) or below or above:
+        lo, hi = "(" if low_open else "[", ")" if high_open or high == math.inf else "]"
+        upper = "inf" if high == math.inf else f"{high:g}"
+        raise argparse.ArgumentTypeError(f"must be a finite number in {lo}{low:g}, {upper}{hi}, got {text}")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: comma-separated integers >= 0 (layer ids), at least one."""
+    return _ints_at_least(text, 0)
+
+
+def positive_int_list(text: str) -> list[int]:
+    """argparse type: comma-separated integers >= 1 (row counts, n-gram sizes), at least one."""
+    return _ints_at_least(text, 1)
+
+
+def _ints_at_least(text: str, low: int) -> list[int]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated integers, such as 2,15,27")
+    return [_int_at_least(p, low) for p in parts]
+
+
+def device(text: str) -> str:
+    """argparse type: a torch device this machine has ('cpu', 'cuda', 'cuda:1')."""
+    import torch
+
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device (cpu, cuda, cuda:1)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{text}: no CUDA GPU here (torch.cuda.is_available() is False)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(
+                f"{text}: this machine has {torch.cuda.device_count()} CUDA GPU(s)"
+            )
+    elif dev.type != "cpu":
+        raise argparse.ArgumentTypeError(f"{text}: only cpu and cuda devices are supported")
+    return text
+
+
+def add_threads_option(parser: argparse.ArgumentParser) -> None:
+    """`--threads N` (N >= 1): torch's CPU threads; the entry point calls `torch.set_num_threads` with it."""
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="torch CPU threads (default torch's); on a shared busy CPU 1 can be 2-3x faster (a descheduled "
+        "second OpenMP thread stalls every op)",
+    )

@@ -23,7 +23,7 @@ from maverick.cli import UserError, positive_int, run_cli
 from maverick.compiled import for_engine
 from maverick.kv_cache import KVCache
 from maverick.model import Llama4
-from maverick.sampling import SamplingParams, logits_to_probs, sample
+from maverick.sampling import SamplingParams, add_sampling_options, logits_to_probs, sample
 
 
 @dataclass
@@ -190,10 +190,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     ap.add_argument("--max-new-tokens", type=positive_int, default=256)
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
+    add_sampling_options(ap)
     ap.add_argument("--compile", action="store_true", help="torch.compile the eager one-token step")
     ap.add_argument("--engine", choices=["eager", "compiled"], default="eager",
                     help="compiled: whole-model compiled graphs (maverick/compiled.py); with --q4 the int4 kernel inside them")  # fmt: skip

@@ -42,6 +42,7 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES
 from torch import Tensor
 
+from maverick.cli import UserError
 from maverick.config import dense_llama_fields
 from maverick.wheel_data import wheel_data_path
 
@@ -282,7 +283,7 @@ def _rope_scaling_from_metadata(meta: dict[str, Any], arch: str, path: Path) -> 
     if rtype == "linear" and float(meta.get(key + "factor", 1.0)) == 1.0:
         return None
     if rtype != "llama3":
-        raise ValueError(f"{path}: RoPE scaling type {rtype!r} ({key}type) is not supported (llama3 only)")
+        raise GGUFError(f"{path}: RoPE scaling type {rtype!r} ({key}type) is not supported (llama3 only)")
     need = {
         "factor": "factor",
         "low_freq_factor": "low_freq_factor",
@@ -291,7 +292,7 @@ def _rope_scaling_from_metadata(meta: dict[str, Any], arch: str, path: Path) -> 
     }
     missing = [key + k for k in need.values() if key + k not in meta]
     if missing:
-        raise ValueError(f"{path}: llama3 RoPE scaling is missing metadata keys {missing}")
+        raise GGUFError(f"{path}: llama3 RoPE scaling is missing metadata keys {missing}")
     out = {"rope_type": "llama3"}
     for ours, theirs in need.items():
         out[ours] = float(meta[key + theirs])
@@ -314,24 +315,24 @@ def config_from_metadata(meta: dict[str, Any], n_tokens: int | None, has_output:
     """
     arch = meta.get("general.architecture")
     if arch != "llama":
-        raise ValueError(f"{path}: general.architecture is {arch!r}; only 'llama' GGUF files are supported")
+        raise GGUFError(f"{path}: general.architecture is {arch!r}; only 'llama' GGUF files are supported")
 
     def get(key: str, default: Any = ...) -> Any:
         full = f"{arch}.{key}"
         if full in meta:
             return meta[full]
         if default is ...:
-            raise ValueError(f"{path}: required metadata key {full!r} is missing")
+            raise GGUFError(f"{path}: required metadata key {full!r} is missing")
         return default
 
     if int(get("expert_count", 0)) > 0:
-        raise ValueError(
+        raise GGUFError(
             f"{path}: {arch}.expert_count={get('expert_count')}: MoE llama GGUFs are not supported"
         )
     vocab = get("vocab_size", None)
     if vocab is None:
         if n_tokens is None:
-            raise ValueError(
+            raise GGUFError(
                 f"{path}: neither {arch}.vocab_size nor tokenizer.ggml.tokens gives the vocab size"
             )
         vocab = n_tokens
@@ -340,7 +341,7 @@ def config_from_metadata(meta: dict[str, Any], n_tokens: int | None, has_output:
     rope_dim = get("rope.dimension_count", None)
     head_dim = int(get("attention.key_length", rope_dim if rope_dim is not None else H // nH))
     if rope_dim is not None and int(rope_dim) != head_dim:
-        raise ValueError(
+        raise GGUFError(
             f"{path}: rope.dimension_count={rope_dim} != head_dim {head_dim}: partial RoPE unsupported"
         )
     L, I = int(get("block_count")), int(get("feed_forward_length"))
@@ -399,6 +400,11 @@ class GGUFHeader:
     metadata: dict[str, Any]
     array_lengths: dict[str, int]
     tensors: list[GGUFTensor]
+
+
+class GGUFError(UserError):
+    """A GGUF file this loader cannot read as a llama model; the message names the file and what is wrong
+    (a `UserError`: the commands print it as one line)."""
 
 
 class _Unreadable(Exception):
@@ -467,7 +473,7 @@ def _parse(path: Path, buf: np.ndarray) -> GGUFHeader:
         raise _Unreadable(f"no GGUF magic (it starts with {magic!r})")
     version = c.scalar("I")
     if version and not version & 0xFFFF:  # a big-endian writer's 2 or 3
-        raise ValueError(f"{path}: big-endian GGUF files are not supported")
+        raise GGUFError(f"{path}: big-endian GGUF files are not supported")
     if version not in (2, 3):
         raise _Unreadable(f"GGUF version {version} (this reader takes 2 and 3)")
     n_tensors, n_kv = c.scalar("Q"), c.scalar("Q")
@@ -494,12 +500,12 @@ def _parse(path: Path, buf: np.ndarray) -> GGUFHeader:
         try:
             qtype = GGMLQuantizationType(code)
         except ValueError:
-            raise ValueError(f"{path}: tensor {name} has an unknown GGML type {code}") from None
+            raise GGUFError(f"{path}: tensor {name} has an unknown GGML type {code}") from None
         block_size, type_size = GGML_QUANT_SIZES[qtype]
         n_bytes = math.prod(dims) // block_size * type_size
         at = start + offset
         if at + n_bytes > len(buf):
-            raise ValueError(
+            raise GGUFError(
                 f"{path}: tensor {name} ends at byte {at + n_bytes} past the end of the file ({len(buf)} "
                 "bytes): truncated"
             )
@@ -512,12 +518,12 @@ def _open(path: Path) -> GGUFHeader:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: GGUF file not found")
     if sys.byteorder != "little":
-        raise ValueError(f"{path}: GGUF files are read on little-endian machines only")
+        raise GGUFError(f"{path}: GGUF files are read on little-endian machines only")
     size = path.stat().st_size
     try:
         return _parse(path, np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8))
     except (_Unreadable, UnicodeDecodeError) as e:
-        raise ValueError(
+        raise GGUFError(
             f"{path}: not a readable GGUF file ({size} bytes; truncated or corrupt?): {e}"
         ) from None
 
@@ -536,7 +542,7 @@ def _check_rope_freqs(factors: Tensor, config: dict, path: Path) -> None:
     `rope_scaling` (from metadata or the caller) reproduces them, so the tensor is used, not ignored."""
     scaling = config["rope_scaling"]
     if scaling is None:
-        raise ValueError(
+        raise GGUFError(
             f"{path}: tensor {ROPE_FREQS} holds llama3 RoPE scaling factors but the metadata has no "
             "rope.scaling.* parameters; pass rope_scaling={'rope_type': 'llama3', 'factor', "
             "'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings'} from the "
@@ -544,7 +550,7 @@ def _check_rope_freqs(factors: Tensor, config: dict, path: Path) -> None:
         )
     want = llama3_rope_factors(config["rope_theta"], config["head_dim"], scaling)
     if factors.shape != want.shape or not torch.allclose(factors, want, rtol=1e-5, atol=0):
-        raise ValueError(
+        raise GGUFError(
             f"{path}: tensor {ROPE_FREQS} {factors.tolist()} does not match the llama3 RoPE factors "
             f"implied by rope_scaling={scaling} {want.tolist()}"
         )
@@ -574,17 +580,17 @@ def read_gguf(
     config = config_from_metadata(meta, n_tokens, "output.weight" in names, path)
     if rope_scaling is not None:
         if config["rope_scaling"] is not None and config["rope_scaling"] != rope_scaling:
-            raise ValueError(
+            raise GGUFError(
                 f"{path}: rope_scaling={rope_scaling} contradicts the file's metadata {config['rope_scaling']}"
             )
         config["rope_scaling"] = dict(rope_scaling)
 
     unknown = [n for n in names if n != ROPE_FREQS and our_name(n) is None]
     if unknown:
-        raise ValueError(f"{path}: unknown GGUF tensor names (no mapping to our parameters): {unknown}")
+        raise GGUFError(f"{path}: unknown GGUF tensor names (no mapping to our parameters): {unknown}")
     bad = [f"{t.name} ({t.tensor_type.name})" for t in header.tensors if t.tensor_type not in SUPPORTED_TYPES]
     if bad:
-        raise ValueError(
+        raise GGUFError(
             f"{path}: unsupported GGUF tensor types: {', '.join(bad)}; supported: {_type_names(SUPPORTED_TYPES)}"
         )
 
@@ -600,11 +606,11 @@ def read_gguf(
             continue
         name = our_name(t.name)
         if name not in shapes:
-            raise ValueError(
+            raise GGUFError(
                 f"{path}: tensor {t.name} -> {name} is not a parameter of a {config['num_hidden_layers']}-layer model"
             )
         if shape != shapes[name]:
-            raise ValueError(f"{path}: tensor {t.name} ({name}) has shape {shape}, expected {shapes[name]}")
+            raise GGUFError(f"{path}: tensor {t.name} ({name}) has shape {shape}, expected {shapes[name]}")
         state_dict[name] = dequantize(t.data, t.tensor_type, shape).to(dtype)
         if q4 and t.tensor_type in (Q.Q4_0, Q.Q4_1) and len(shape) == 2:
             parts[name] = q4_parts(t.data, t.tensor_type, shape)
@@ -612,7 +618,7 @@ def read_gguf(
             code_parts[name] = codes_parts(t.data, t.tensor_type, shape)
     missing = sorted(set(shapes) - set(state_dict))
     if missing:
-        raise ValueError(f"{path}: GGUF file lacks tensors for {len(missing)} parameters: {missing[:8]}")
+        raise GGUFError(f"{path}: GGUF file lacks tensors for {len(missing)} parameters: {missing[:8]}")
     return GGUFCheckpoint(
         config=config,
         state_dict=state_dict,

@@ -74,7 +74,11 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from maverick.checkpoint import CheckpointError, _safetensors_files, _text_key
-from maverick.cli import UserError, run_cli
+from maverick.cli import (
+    UserError,
+    positive_int,
+    run_cli,
+)
 from maverick.config import Llama4Config, get_config
 from maverick.model import EXACT_ATTENTION_MAX_T, DecoderLayer, Llama4, MoE, Output, rope_inv_freq
 from maverick.target import load_target
@@ -521,8 +525,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Memory per rank of a tensor + expert parallel Llama 4.")
     ap.add_argument("--report", action="store_true", help="print the per-rank memory table (the default)")
     ap.add_argument("--configs", default="maverick-400b,scout-109b")
-    ap.add_argument("--world", type=int, default=8)
-    ap.add_argument("--context", type=int, default=8192, help="tokens of KV cache to size (batch 1, bf16)")
+    ap.add_argument("--world", type=positive_int, default=8)
+    ap.add_argument(
+        "--context", type=positive_int, default=8192, help="tokens of KV cache to size (batch 1, bf16)"
+    )
     ap.add_argument("--json", action="store_true", help="print JSON lines instead of the table")
     args = ap.parse_args(argv)
     rows = []

@@ -75,3 +75,13 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     """One draw per distribution: probs [..., V] (need not be normalised) -> long [...]."""
     flat = probs.reshape(-1, probs.shape[-1])  # [R, V]
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def add_sampling_options(parser) -> None:
+    """`--temperature`, `--top-k`, `--top-p` and `--seed` of a command, checked as SamplingParams checks them."""
+    from maverick.cli import nonnegative_float, nonnegative_int, top_p
+
+    parser.add_argument("--temperature", type=nonnegative_float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-k", type=nonnegative_int, default=0, help="0: off")
+    parser.add_argument("--top-p", type=top_p, default=1.0, help="1: off")
+    parser.add_argument("--seed", type=nonnegative_int, default=0)

@@ -28,6 +28,7 @@ import pathlib
 from collections.abc import Mapping, Sequence
 
 from maverick.checkpoint import atomic_dir
+from maverick.cli import UserError
 from maverick.gguf_loader import default_gguf_path, read_metadata
 
 # a GGUF file's tokenizer as transformers built it, saved (the repository's .cache, beside the AOT packages)
@@ -60,19 +61,21 @@ def _load_tokenizer_cached(path: str):
             f"the HF directory {p} has no tokenizer files (tokenizer.json / tokenizer_config.json); "
             "save them with tokenizer.save_pretrained there, or name a tokenizer separately"
         )
+    if not p.is_dir():
+        read_metadata(p)  # a file that is not GGUF: our loader's error, which says what is wrong with it
     try:
         if p.is_dir():
             tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True, trust_remote_code=False)
         else:
             tokenizer = _gguf_tokenizer(p)
     except Exception as exc:  # transformers raises many types; name the file in every case
-        raise RuntimeError(f"could not build a tokenizer from the {what} {p}: {exc}") from exc
+        raise UserError(f"could not build a tokenizer from the {what} {p}: {exc}") from exc
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"the {what} {p} carries no chat template (tokenizer.chat_template)")
+        raise UserError(f"the {what} {p} carries no chat template (tokenizer.chat_template)")
     if not p.is_dir():
         set_eos(tokenizer, gguf_eos_id(p))
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"the {what} {p} defines no eos token")
+        raise UserError(f"the {what} {p} defines no eos token")
     return tokenizer
 
 

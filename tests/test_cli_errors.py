@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -336,3 +337,172 @@ def test_acceptance_refuses_a_draft_before_answering(tmp_path, capsys):
     (path / "config.json").write_text(json.dumps(c))
     code, err = exit_status(acceptance.main, ["--draft", str(path), "--n", "1"], capsys)
     assert code == 2 and "[99] outside the target's 30 layers" in err and f"{path}/config.json" in err
+
+
+# ---- every numeric option is checked by argparse ----
+
+ENTRY_POINTS = [
+    "maverick.generate", "maverick.parallel", "eval.acceptance", "eval.bench", "eval.bench_engine",
+    "eval.bench_fp8_gemm", "eval.compare_runs", "train.datastore", "train.dump", "train.fit",
+    "train.regenerate", "train.stage", "train.stage_data",
+]  # fmt: skip
+
+
+class _Parsed(Exception):
+    pass
+
+
+def entry_point_parser(module: str, monkeypatch):
+    """The argparse parser that `module.main` builds, caught at its first parse (nothing runs)."""
+    import argparse
+    import importlib
+
+    seen = []
+
+    def catch(self, *a, **kw):
+        seen.append(self)
+        raise _Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", catch)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", catch)
+    with pytest.raises(_Parsed):
+        importlib.import_module(module).main([])
+    monkeypatch.undo()
+    return seen[0]
+
+
+def test_entry_points_are_the_modules_with_a_main():
+    found = {
+        f"{p.parent.name}.{p.stem}"
+        for d in ("maverick", "eagle3", "eval", "train")
+        for p in (ROOT / d).glob("*.py")
+        if _main_calls(p) and p.stem != "cli"
+    }
+    assert found == set(ENTRY_POINTS)
+
+
+@pytest.mark.parametrize("module", ENTRY_POINTS)
+def test_no_numeric_option_takes_any_number(module, monkeypatch):
+    """Every int or float option has a checked type (maverick.cli), so an out-of-range value is one argparse
+    error before any model loads, not a traceback from deep inside."""
+    parser = entry_point_parser(module, monkeypatch)
+    options = [a for a in parser._actions if a.option_strings]
+    assert len(options) >= 3  # the control: the parser was caught whole
+    bare = [a.option_strings[0] for a in options if a.type in (int, float)]
+    assert not bare, f"{module}: options with an unchecked int/float type: {bare}"
+
+
+@pytest.mark.parametrize(
+    "module, argv, says",
+    [
+        ("maverick.generate", ["--prompt", "hi", "--temperature", "-1"], "--temperature: must be a finite number in [0, inf), got -1"),
+        ("maverick.generate", ["--prompt", "hi", "--temperature", "nan"], "--temperature: must be a finite number"),
+        ("maverick.generate", ["--prompt", "hi", "--top-p", "2"], "--top-p: must be a finite number in (0, 1], got 2"),
+        ("maverick.generate", ["--prompt", "hi", "--top-k", "-2"], "--top-k: must be >= 0, got -2"),
+        ("eval.bench", ["--bench", "nosuch"], "--bench: invalid choice: 'nosuch'"),
+        ("eval.bench", ["--n", "0"], "--n: must be >= 1, got 0"),
+        ("eval.bench", ["--threads", "-1"], "--threads: must be >= 1, got -1"),
+        ("eval.bench_engine", ["--rows", "2,x"], "--rows: 'x' is not an integer"),
+        ("train.dump", ["--out", "d", "--feature-layers", "a,b"], "--feature-layers: 'a' is not an integer"),
+        ("train.dump", ["--out", "d", "--heldout-fraction", "1"], "--heldout-fraction: must be a finite number in [0, 1), got 1"),
+        ("train.regenerate", ["--out", "x", "--device", "foo"], "--device: 'foo' is not a torch device"),
+        ("train.fit", ["--online", "--out", "f", "--lr", "-1"], "--lr: must be a finite number in (0, inf), got -1"),
+        ("train.fit", ["--online", "--out", "f", "--min-lr-ratio", "2"], "--min-lr-ratio: must be a finite number in [0, 1], got 2"),
+        ("train.stage", ["--minutes", "0", "--out", "o", "--data", "d"], "--minutes: must be a finite number in (0, inf), got 0"),
+        ("train.datastore", ["--data", "d", "--out", "o", "--sizes", "0"], "--sizes: must be >= 1, got 0"),
+        ("maverick.parallel", ["--world", "0"], "--world: must be >= 1, got 0"),
+    ],
+)  # fmt: skip
+def test_out_of_range_values_are_refused_before_work(module, argv, says, capsys):
+    import importlib
+
+    code, err = exit_status(importlib.import_module(module).main, argv, capsys)
+    assert code == 2 and says in err and "Traceback" not in err
+
+
+def test_checked_types_accept_their_range():
+    """The control of the test above: values inside each range pass through unchanged."""
+    import argparse
+
+    from maverick import cli
+
+    assert cli.positive_float("2e-4") == 2e-4 and cli.nonnegative_float("0") == 0.0
+    assert cli.share("0") == 0.0 and cli.share("1") == 1.0 and cli.heldout_fraction("0.02") == 0.02
+    assert cli.top_p("1") == 1.0 and cli.int_list("2, 15,27") == [2, 15, 27]
+    assert cli.positive_int_list("4,3") == [4, 3] and cli.device("cpu") == "cpu"
+    for fn, text in [(cli.positive_float, "0"), (cli.share, "1.5"), (cli.top_p, "0"), (cli.int_list, ","),
+                     (cli.positive_float, "inf"), (cli.device, "cuda:99" if torch.cuda.is_available() else "cuda")]:  # fmt: skip
+        with pytest.raises(argparse.ArgumentTypeError):
+            fn(text)
+
+
+# ---- files and options that only a loader or a command can check ----
+
+
+@pytest.mark.parametrize("content", [b"not a gguf", b""])
+def test_a_file_that_is_not_gguf_is_one_line(content, tmp_path, capsys):
+    from maverick import generate
+
+    f = tmp_path / "model.gguf"
+    f.write_bytes(content)
+    code, err = exit_status(generate.main, ["--prompt", "hi", "--target", str(f)], capsys)
+    assert code == 2 and err.startswith(f"error: {f}: not a readable GGUF file ({len(content)} bytes")
+
+
+@pytest.mark.parametrize(
+    "key, value, says",
+    [
+        ("architectures", 3, "architectures must be a list of names, got 3"),
+        ("hidden_size", "576", "hidden_size must be a positive integer, got '576'"),
+        ("draft_vocab_size", True, "draft_vocab_size must be a positive integer, got True"),
+        ("num_key_value_heads", 0, "num_key_value_heads must be a positive integer, got 0"),
+        ("rope_theta", -1, "rope_theta must be a positive number, got -1"),
+        ("rope_scaling", "yes", "rope_scaling must be a JSON object or null"),
+        ("eagle_config", [1], "eagle_config must be a JSON object, got [1]"),
+    ],
+)
+def test_draft_config_fields_of_the_wrong_type_name_the_field(key, value, says, tmp_path):
+    _, path = make(tmp_path)
+    c = path / "config.json"
+    d = json.loads(c.read_text())
+    load_draft(path)  # the control: the file as written loads
+    c.write_text(json.dumps(d | {key: value}))
+    with pytest.raises(UserError, match=re.escape(f"{c}: {says}")):
+        load_draft(path)
+
+
+def test_bench_options_that_need_another_are_refused_before_loading(tmp_path, capsys):
+    from eval import bench
+
+    out = ["--out", str(tmp_path / "r")]
+    code, err = exit_status(bench.main, ["--bench", "jsonl", *out], capsys)
+    assert code == 2 and "--bench jsonl needs --prompts FILE" in err
+    code, err = exit_status(
+        bench.main, ["--datastore", str(tmp_path), "--methods", "eagle3-tuned+lookup", *out], capsys
+    )
+    assert code == 2 and "--datastore is read by methods named <method>+lookup+store only" in err
+    none = tmp_path / "none.safetensors"
+    code, err = exit_status(
+        bench.main, ["--datastore", str(none), "--methods", "eagle3-tuned+lookup+store", *out], capsys
+    )
+    assert code == 2 and f"{none}: no datastore for eagle3-tuned+lookup+store" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_bench_engine_refuses_a_cache_shorter_than_a_prompt(capsys):
+    from eval import bench_engine
+
+    code, err = exit_status(
+        bench_engine.main, ["--n", "1", "--max-len", "30", "--max-new-tokens", "4"], capsys
+    )
+    assert code == 2 and "--max-len 30 holds no 53-token prompt" in err and "give --max-len 57 or more" in err
+
+
+def test_too_few_samples_for_one_batch_say_which_options():
+    from train.fit import epoch_batches
+
+    assert len(epoch_batches([5] * 8, 4, 0, 0)) == 2  # the control
+    with pytest.raises(
+        UserError, match=r"3 samples cannot fill one global batch of 4 \(--batch-size x --grad-accum"
+    ):
+        epoch_batches([5] * 3, 4, 0, 0)

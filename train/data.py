@@ -213,7 +213,7 @@ def load_sharegpt(path: str | pathlib.Path | None = None) -> tuple[list[dict[str
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not UTF-8 at byte {exc.start}") from exc
+        raise UserError(f"{path}: not UTF-8 at byte {exc.start}") from exc
     records, tail = _scan_json_array(text, str(path))
 
     truncated_at = dropped_id = None

@@ -19,8 +19,15 @@ import argparse
 import logging
 import time
 
-from eagle3.datastore import Datastore
-from maverick.cli import run_cli
+from eagle3.datastore import MAX_SIZE, Datastore
+from maverick.cli import (
+    UserError,
+    heldout_fraction,
+    nonnegative_int,
+    positive_int,
+    positive_int_list,
+    run_cli,
+)
 from train.data import DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED, is_heldout, load_chats, render_chat
 
 log = logging.getLogger(__name__)
@@ -57,13 +64,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data", required=True, help="JSON/JSONL chat files, comma-separated")
     p.add_argument("--out", required=True, help="the .safetensors file to write")
     p.add_argument("--tokenizer", default=None, help="GGUF file with the tokenizer (default: SmolLM2's)")
-    p.add_argument("--sizes", default="4,3", help="n-gram sizes matched, comma-separated (1..4)")
-    p.add_argument("--max-tokens", type=int, default=10, help="the longest proposal")
-    p.add_argument("--max-candidates", type=int, default=256, help="occurrences voted on per proposal")
-    p.add_argument("--max-length", type=int, default=4096, help="tokens per conversation (longer: cut)")
-    p.add_argument("--heldout-fraction", type=float, default=DEFAULT_HELDOUT_FRACTION)
-    p.add_argument("--split-seed", type=int, default=DEFAULT_SPLIT_SEED)
+    p.add_argument(
+        "--sizes",
+        type=positive_int_list,
+        default="4,3",
+        help=f"n-gram sizes matched, comma-separated (1..{MAX_SIZE})",
+    )
+    p.add_argument("--max-tokens", type=positive_int, default=10, help="the longest proposal")
+    p.add_argument(
+        "--max-candidates", type=positive_int, default=256, help="occurrences voted on per proposal"
+    )
+    p.add_argument(
+        "--max-length", type=positive_int, default=4096, help="tokens per conversation (longer: cut)"
+    )
+    p.add_argument("--heldout-fraction", type=heldout_fraction, default=DEFAULT_HELDOUT_FRACTION)
+    p.add_argument("--split-seed", type=nonnegative_int, default=DEFAULT_SPLIT_SEED)
     args = p.parse_args(argv)
+    if max(args.sizes) > MAX_SIZE:
+        raise UserError(f"--sizes {','.join(map(str, args.sizes))}: n-gram sizes go up to {MAX_SIZE}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from maverick.tokenizer import load_tokenizer
 
@@ -78,8 +96,7 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 conversations.append(conv)
     runs = assistant_runs(tok, conversations, args.max_length)
-    sizes = [int(s) for s in args.sizes.split(",") if s]
-    store = Datastore(runs, sizes=sizes, max_tokens=args.max_tokens, max_candidates=args.max_candidates)
+    store = Datastore(runs, sizes=args.sizes, max_tokens=args.max_tokens, max_candidates=args.max_candidates)
     store.save(args.out, meta={"data": files, "conversations": len(conversations), "heldout_left_out": held})
     log.info(
         "%s: %d conversations (%d held-out left out), %d runs, %d tokens, %.0f s",

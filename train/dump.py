@@ -53,7 +53,14 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from eagle3.draft import check_feature_layers
-from maverick.cli import UserError, positive_int, run_cli
+from maverick.cli import (
+    UserError,
+    add_threads_option,
+    device,
+    int_list,
+    positive_int,
+    run_cli,
+)
 from maverick.model import Llama4
 from maverick.target import TARGET_DTYPES, TARGET_HELP, default_target_path, load_target, target_identity
 from train.samples import add_data_args, chat_samples, draft_vocab_from
@@ -594,21 +601,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help=TARGET_HELP)
     p.add_argument("--target-dtype", default="bf16", choices=sorted(TARGET_DTYPES),
                    help="dtype of the target forward (bf16: 3-4x faster on AMX CPUs)")  # fmt: skip
-    p.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where the target runs"
-    )
+    p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the target runs")  # fmt: skip
     p.add_argument("--dtype", default="bf16", choices=sorted(STORE_DTYPES), help="stored features / hidden")
-    p.add_argument("--feature-layers", default=None, help="comma-separated (default 2,L//2,L-3)")
+    p.add_argument(
+        "--feature-layers", type=int_list, default=None, help="comma-separated (default 2,L//2,L-3)"
+    )
     p.add_argument("--shard-size", type=positive_int, default=256, help="samples per shard")
     p.add_argument("--batch-tokens", type=positive_int, default=4096, help="padded tokens per target forward")
     p.add_argument("--draft-vocab-size", type=positive_int, default=8192)
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch threads (default torch's); on a shared busy CPU 1 can be 2-3x faster (a descheduled "
-        "second OpenMP thread stalls every op)",
-    )
+    add_threads_option(p)
     p.add_argument("--no-progress", action="store_true")
     add_data_args(p)
     return p
@@ -626,9 +628,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     model = load_target(target_path, TARGET_DTYPES[args.target_dtype], args.device)
     cfg = model.config
     layers = (
-        tuple(int(x) for x in args.feature_layers.split(","))
-        if args.feature_layers
-        else default_feature_layers(cfg.num_hidden_layers)
+        tuple(args.feature_layers) if args.feature_layers else default_feature_layers(cfg.num_hidden_layers)
     )
     check_feature_layers(layers, cfg.num_hidden_layers, "--feature-layers")
     d2t, t2d, coverage = draft_vocab_from(train_split, cfg.vocab_size, args.draft_vocab_size)

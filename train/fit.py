@@ -63,7 +63,16 @@ from torch import Tensor, nn
 from eagle3.draft import NORM_VARIANTS, DraftConfig, Eagle3Draft, load_draft, save_draft
 from eagle3.vocab import grow_draft_vocab
 from maverick.checkpoint import atomic_dir
-from maverick.cli import UserError, positive_int, run_cli
+from maverick.cli import (
+    UserError,
+    add_threads_option,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    run_cli,
+    share,
+)
 from maverick.config import Llama4Config
 from maverick.target import TARGET_DTYPES, default_target_path, load_target_tables, target_identity
 from train.dump import DumpDataset
@@ -152,7 +161,10 @@ def epoch_batches(
     """
     n = len(lengths)
     if n < global_batch:
-        raise ValueError(f"{n} samples cannot fill one global batch of {global_batch}")
+        raise UserError(
+            f"{n} samples cannot fill one global batch of {global_batch} (--batch-size x --grad-accum x "
+            "processes): give more samples or a smaller batch"
+        )
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     order = torch.randperm(n, generator=g).tolist()
     if group_by_length:
@@ -511,7 +523,7 @@ def init_from_draft(
                  "head_dim", "vocab_size", "draft_vocab_size", "target_hidden_size", "feature_layers"):  # fmt: skip
         mine, theirs = getattr(draft.config, name), getattr(src.config, name)
         if mine != theirs:
-            raise ValueError(f"{path}: draft config {name}={theirs!r}, this run needs {mine!r}")
+            raise UserError(f"{path}: draft config {name}={theirs!r}, this run needs {mine!r}")
     dev = draft.d2t.device
     state = {k: v.to(dev) for k, v in src.state_dict().items() if k not in ("d2t", "t2d", "lm_head.weight")}
     mine = set(draft.state_dict()) - {"d2t", "t2d", "lm_head.weight"}
@@ -638,7 +650,7 @@ class _Run:
             state["data"]["fingerprint"] != self.fingerprint
             or state["data"]["world_batch"] != self.global_batch
         ):
-            raise ValueError(
+            raise UserError(
                 f"{ck / STATE_FILE}: the checkpoint was trained on other data or another global batch"
             )
         sd = load_file(str(ck / "draft" / "model.safetensors"))
@@ -917,19 +929,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=positive_int, default=1000)
     p.add_argument("--batch-size", type=positive_int, default=4, help="samples per process per micro-batch")
     p.add_argument("--grad-accum", type=positive_int, default=1)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--warmup", type=int, default=50, help="linear warmup steps, then cosine")
-    p.add_argument("--min-lr-ratio", type=float, default=0.0)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--grad-clip", type=float, default=0.5)
+    p.add_argument("--lr", type=positive_float, default=1e-4)
+    p.add_argument("--warmup", type=nonnegative_int, default=50, help="linear warmup steps, then cosine")
+    p.add_argument("--min-lr-ratio", type=share, default=0.0)
+    p.add_argument("--weight-decay", type=nonnegative_float, default=0.0)
+    p.add_argument("--grad-clip", type=positive_float, default=0.5)
     p.add_argument("--ttt-steps", type=positive_int, default=7, help="training-time-test unroll steps")
-    p.add_argument("--decay", type=float, default=0.8, help="loss weight of unroll step i: decay**i")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--decay", type=nonnegative_float, default=0.8, help="loss weight of unroll step i: decay**i"
+    )
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="bf16 autocast or fp32")
     p.add_argument("--no-group-by-length", action="store_true")
-    p.add_argument("--checkpoint-every", type=int, default=0)
-    p.add_argument("--keep-checkpoints", type=int, default=2)
-    p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--checkpoint-every", type=nonnegative_int, default=0)
+    p.add_argument("--keep-checkpoints", type=positive_int, default=2)
+    p.add_argument("--log-every", type=positive_int, default=1)
     p.add_argument("--tracker", choices=("none", "tensorboard", "wandb"), default="wandb",
                    help="wandb runs offline (never the network)")  # fmt: skip
     p.add_argument("--overwrite", action="store_true",
@@ -938,13 +952,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the sha256 check of every dump shard before training (reads all the dumps once)")  # fmt: skip
     p.add_argument("--resume", nargs="?", const="auto", default=None,
                    help="continue from the latest checkpoint in --out (or the given checkpoint directory)")  # fmt: skip
-    p.add_argument("--stop-after", type=int, default=None, help="stop after this step (checkpointed)")
+    p.add_argument(
+        "--stop-after", type=positive_int, default=None, help="stop after this step (checkpointed)"
+    )
     p.add_argument("--eval-dumps", default=None, help="held-out dumps scored every --eval-every steps")
-    p.add_argument("--eval-every", type=int, default=0)
+    p.add_argument("--eval-every", type=nonnegative_int, default=0)
     p.add_argument(
         "--fp8", action="store_true", help="FP8 (maverick.fp8) for the draft's linears except lm_head"
     )
-    p.add_argument("--init-std", type=float, default=0.02)
+    p.add_argument("--init-std", type=positive_float, default=0.02)
     p.add_argument("--eagle-3.1", dest="eagle31", action="store_true",
                    help="EAGLE-3.1's norms (each aux-layer feature before fc, the output): a current vLLM "
                    "serves such a draft, SGLang does not (eagle3/draft.py NORM_VARIANTS)")  # fmt: skip
@@ -953,17 +969,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-vocab", action="store_true",
                    help="with --init-draft: the data's draft vocabulary, not the init draft's (lm_head rows of "
                    "tokens in both are carried, the others start fresh)")  # fmt: skip
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch threads (default torch's); on a shared busy CPU 1 can be 2-3x faster (a descheduled "
-        "second OpenMP thread stalls every op)",
-    )
+    add_threads_option(p)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--cpu", action="store_true", help="train on the CPU even when a GPU is present")
     g = p.add_argument_group("online mode")
-    g.add_argument("--draft-vocab-size", type=int, default=8192)
+    g.add_argument("--draft-vocab-size", type=positive_int, default=8192)
     g.add_argument("--target-dtype", default="bf16", choices=sorted(TARGET_DTYPES))
     add_data_args(p, max_length_default=None)  # --max-length: dumps are cut to it; online default 1024
     return p

@@ -25,7 +25,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from maverick.cli import positive_int, run_cli
+from maverick.cli import (
+    add_threads_option,
+    device,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    run_cli,
+)
 from maverick.generate import Decoder
 from maverick.target import TARGET_HELP, load_target, load_target_tokenizer
 from maverick.tokenizer import encode_chat
@@ -159,11 +166,13 @@ def main(argv=None) -> None:
     ap.add_argument("--batch-size", type=positive_int, default=32)
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--target", "--gguf", dest="target", default=None, help=TARGET_HELP)
-    ap.add_argument("--seed", type=int, default=0, help="which conversations are taken (train split only)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (1 when sharing the CPU)")
-    ap.add_argument("--max-seconds", type=float, default=None,
+    ap.add_argument(
+        "--seed", type=nonnegative_int, default=0, help="which conversations are taken (train split only)"
+    )
+    add_threads_option(ap)
+    ap.add_argument("--max-seconds", type=positive_float, default=None,
                     help="start no new batch after this many seconds (a rerun continues)")  # fmt: skip
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+    ap.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
                     help="where the target runs (default: the GPU when there is one)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.threads:

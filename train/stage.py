@@ -49,7 +49,17 @@ import torch.nn.functional as F
 
 from eagle3.draft import NORM_VARIANTS, DraftConfig, Eagle3Draft, load_draft, read_json, save_draft
 from eagle3.vocab import count_tokens
-from maverick.cli import UserError, run_cli
+from maverick.cli import (
+    UserError,
+    add_threads_option,
+    device,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    run_cli,
+    share,
+)
 from maverick.model import Llama4
 from maverick.target import default_target_path, load_target
 from train import answers as answer_file
@@ -488,59 +498,71 @@ def build_parser() -> argparse.ArgumentParser:
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(prog="python -m train.stage", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--minutes", type=float, required=True, help="wall-clock budget of the whole stage")
+    p.add_argument(
+        "--minutes", type=positive_float, required=True, help="wall-clock budget of the whole stage"
+    )
     p.add_argument("--out", required=True)
     p.add_argument("--init-draft", default=None, help="a draft directory or an earlier stage's --out")
     p.add_argument("--target", default=None, help=".gguf or HF directory (default: SmolLM2-135M-Instruct)")
     p.add_argument(
         "--data", action="append", required=True, help="id records from python -m train.stage_data"
     )
-    p.add_argument("--device", default="cuda" if cuda else "cpu")
+    p.add_argument("--device", type=device, default="cuda" if cuda else "cpu")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="the target's dtype")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared CPU)")
+    p.add_argument("--seed", type=nonnegative_int, default=0)
+    add_threads_option(p)
     p.add_argument("--stop-after", choices=("regen", "train", "score"), default=None)
     g = p.add_argument_group("regeneration")
     g.add_argument(
-        "--regen-share", type=float, default=0.45, help="regenerate until this share of the budget"
+        "--regen-share", type=share, default=0.45, help="regenerate until this share of the budget"
     )
     # 768 rows x 1536 slots: a 27 GB cache for SmolLM2 (23 KB per token)
-    g.add_argument("--batch-size", type=int, default=768 if cuda else 16, help="cache rows decoding at once")
     g.add_argument(
-        "--max-len", type=int, default=1536, help="cache slots per row (context of a conversation)"
+        "--batch-size", type=positive_int, default=768 if cuda else 16, help="cache rows decoding at once"
     )
-    g.add_argument("--max-new-tokens", type=int, default=384)
-    g.add_argument("--max-conversations", type=int, default=None, help="answer at most this many in all")
-    g.add_argument("--max-answers-mib", type=float, default=40.0, help="stop regenerating at this file size")
-    g.add_argument("--flush-every", type=int, default=256, help="conversations per compressed write")
+    g.add_argument(
+        "--max-len", type=positive_int, default=1536, help="cache slots per row (context of a conversation)"
+    )
+    g.add_argument("--max-new-tokens", type=positive_int, default=384)
+    g.add_argument(
+        "--max-conversations", type=nonnegative_int, default=None, help="answer at most this many in all"
+    )
+    g.add_argument(
+        "--max-answers-mib", type=positive_float, default=40.0, help="stop regenerating at this file size"
+    )
+    g.add_argument("--flush-every", type=positive_int, default=256, help="conversations per compressed write")
     g.add_argument("--no-graphs", dest="graphs", action="store_false", help="eager decode steps on CUDA")
     t = p.add_argument_group("training")
-    t.add_argument("--lr", type=float, default=2e-4)
-    t.add_argument("--warmup", type=int, default=20)
-    t.add_argument("--ttt-steps", type=int, default=5)
-    t.add_argument("--decay", type=float, default=0.8)
-    t.add_argument("--grad-clip", type=float, default=0.5)
+    t.add_argument("--lr", type=positive_float, default=2e-4)
+    t.add_argument("--warmup", type=nonnegative_int, default=20)
+    t.add_argument("--ttt-steps", type=positive_int, default=5)
+    t.add_argument("--decay", type=nonnegative_float, default=0.8)
+    t.add_argument("--grad-clip", type=positive_float, default=0.5)
     # the TTT attention keeps [rows, heads, T, T] fp32 scores per unroll step for the backward: ~1.8 GB per
     # step at 32k tokens in buckets of 1536, so the budget is tokens, not rows
-    t.add_argument("--token-budget", type=int, default=32768 if cuda else 2048, help="tokens per batch")
-    t.add_argument("--bucket", type=int, default=256)
-    t.add_argument("--max-length", type=int, default=1536, help="tokens per training sample")
+    t.add_argument(
+        "--token-budget", type=positive_int, default=32768 if cuda else 2048, help="tokens per batch"
+    )
+    t.add_argument("--bucket", type=positive_int, default=256)
+    t.add_argument("--max-length", type=positive_int, default=1536, help="tokens per training sample")
     t.add_argument("--precision", choices=("bf16", "fp32"), default="bf16" if cuda else "fp32")
     t.add_argument("--compile", action="store_true", help="torch.compile the TTT step (one graph per bucket)")
-    t.add_argument("--max-steps", type=int, default=None)
-    t.add_argument("--log-every", type=int, default=10)
-    t.add_argument("--checkpoint-seconds", type=float, default=60.0)
-    t.add_argument("--draft-vocab-size", type=int, default=8192, help="a fresh draft's (no --init-draft)")
-    t.add_argument("--grow-vocab", type=int, default=None, metavar="N",
+    t.add_argument("--max-steps", type=nonnegative_int, default=None)
+    t.add_argument("--log-every", type=positive_int, default=10)
+    t.add_argument("--checkpoint-seconds", type=nonnegative_float, default=60.0)
+    t.add_argument(
+        "--draft-vocab-size", type=positive_int, default=8192, help="a fresh draft's (no --init-draft)"
+    )
+    t.add_argument("--grow-vocab", type=positive_int, default=None, metavar="N",
                    help="with --init-draft: grow its vocabulary to N tokens, adding the answers' most frequent "
                    "(new lm_head rows start at zero)")  # fmt: skip
     t.add_argument("--eagle-3.1", dest="eagle31", action="store_true",
                    help="EAGLE-3.1's norms (each aux-layer feature before fc, the output); an --init-draft "
                    "without them is carried over, fc_norm starting at its features' scale")  # fmt: skip
     s = p.add_argument_group("scoring")
-    s.add_argument("--score-share", type=float, default=0.08, help="budget share kept for scoring")
-    s.add_argument("--heldout", type=int, default=64, help="held-out conversations scored")
-    s.add_argument("--score-new-tokens", type=int, default=128)
+    s.add_argument("--score-share", type=share, default=0.08, help="budget share kept for scoring")
+    s.add_argument("--heldout", type=nonnegative_int, default=64, help="held-out conversations scored")
+    s.add_argument("--score-new-tokens", type=positive_int, default=128)
     return p
 
 

@@ -34,7 +34,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from maverick.cli import run_cli
+from maverick.cli import (
+    UserError,
+    nonnegative_int,
+    positive_int,
+    run_cli,
+)
 from maverick.tokenizer import encode_chat, load_tokenizer
 from train import answers as answer_file
 from train.data import DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED, is_heldout, load_chats, load_sharegpt
@@ -111,9 +116,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--chats", action="append", default=None,
                     help="chat files to take user turns from (default: ShareGPT from its wheel)")  # fmt: skip
     ap.add_argument("--answered", action="append", default=[], help="chats whose answers the target wrote")
-    ap.add_argument("--heldout", type=int, default=200, help="held-out conversations kept for scoring")
+    ap.add_argument(
+        "--heldout", type=nonnegative_int, default=200, help="held-out conversations kept for scoring"
+    )
     ap.add_argument("--gguf", default=None, help="the tokenizer's GGUF (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--max-conversations", type=int, default=None)
+    ap.add_argument("--max-conversations", type=positive_int, default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     tok = load_tokenizer(args.gguf)
@@ -126,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     full = {c["id"]: c for c in convs}
     for c in answered:
         if held(c):
-            raise ValueError(f"{c['id']}: an answered conversation of the held-out split")
+            raise UserError(f"{c['id']}: an answered conversation of the held-out split (--answered)")
         src = full.get(c["id"])
         if src is not None:  # the answered turns, then the original conversation's later user turns
             n_ans = sum(m["role"] == "assistant" for m in c["messages"])
