@@ -213,7 +213,9 @@ def check_datastore_option(args, methods: list[str]) -> None:
     """The datastore of the `+store` methods exists, and a --datastore given is read by one of them."""
     store = [m for m in methods if m.removesuffix(variant(m)).endswith("+store")]
     if args.datastore and not store:
-        raise UserError("--datastore is read by methods named <method>+lookup+store only; none of --methods is")
+        raise UserError(
+            "--datastore is read by methods named <method>+lookup+store only; none of --methods is"
+        )
     path = datastore_path(args)
     if store and not path.is_file():
         raise UserError(f"{path}: no datastore for {store[0]} (build one with python -m train.datastore)")

@@ -106,6 +106,30 @@ def test_prefix_view_shares_the_cache_and_keeps_every_attribute():
     assert cache.k[0, :, :, 0].eq(1).all() and cache.lengths.tolist() == [1, 1, 1]
 
 
+def test_decode_step_has_no_host_read():
+    """A CUDA graph captures only device work: a host read (.item(), .tolist(), a branch on a tensor) inside
+    the step would fail the capture on the GPU, and the stage would decode eagerly at a fraction of the speed.
+    Checked here on the CPU: dynamo traces each bucket's step as one graph (fullgraph=True breaks on a host
+    read). The control: the same step with a host read in it does not trace."""
+    import torch._dynamo
+
+    gen = FastGenerator(tiny_model(), batch_size=4, max_len=256, max_new_tokens=8, stop_ids=STOP)
+    with torch.no_grad():
+        for n in gen._buckets:
+            torch._dynamo.reset()
+            torch.compile(gen._step, fullgraph=True, backend="eager")(gen._views[n])
+
+        def with_host_read(view):
+            gen._step(view)
+            if gen.tok.sum().item() > 0:
+                gen.tok.add_(0)
+
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="(?i)data-dependent|graph break"):
+            torch.compile(with_host_read, fullgraph=True, backend="eager")(gen._views[gen._buckets[0]])
+    torch._dynamo.reset()
+
+
 def test_answer_file_appends_streams_and_drops_a_cut_off_write(tmp_path):
     path = tmp_path / "answers.jsonl.xz"
     recs = [{"id": f"a{i}", "prompts": [[1, 2]], "answers": [[3, i]]} for i in range(5)]
