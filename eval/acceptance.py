@@ -22,7 +22,7 @@ from torch import Tensor
 
 from eagle3.draft import check_feature_layers, load_draft
 from eval.prompts import BENCHMARKS, check_prompts_option, load_benchmark
-from maverick.cli import add_threads_option, positive_int, run_cli
+from maverick.cli import UserError, add_threads_option, positive_int, run_cli
 from maverick.target import TARGET_HELP, load_target, load_target_tokenizer
 from maverick.tokenizer import encode_chat
 from train.acceptance import (
@@ -52,6 +52,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     check_prompts_option(args.bench, args.prompts)
+    if args.max_new_tokens <= args.steps:
+        raise UserError(
+            f"--max-new-tokens {args.max_new_tokens} scores no position with --steps {args.steps}: an answer "
+            f"of N tokens has N - {args.steps} positions; give more than {args.steps}"
+        )
+    if args.out is not None and args.out.is_dir():
+        raise UserError(f"--out {args.out} is a directory; give the JSON file's name")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32

@@ -5,9 +5,9 @@ wrong and where, not a Python traceback; a bug in our code should still show its
 told apart by type: code that checks what the user gave raises `UserError` (a `ValueError`, so library
 callers and tests that expect `ValueError` keep working) with a message that names the file, line, key
 or option; `run_cli` prints it as `error: <message>` and exits 2, like argparse does for a bad option.
-Missing or unreadable files (`FileNotFoundError`, `PermissionError`, `IsADirectoryError`,
-`NotADirectoryError`) count as the user's too: their message names the path. Everything else is a bug
-and propagates with its traceback.
+Missing or unreadable files and an output path taken by a file (`FileNotFoundError`, `FileExistsError`,
+`PermissionError`, `IsADirectoryError`, `NotADirectoryError`) count as the user's too: their message names
+the path. Everything else is a bug and propagates with its traceback.
 
 `--debug` (anywhere on the command line; it is removed before `main` parses) or the environment variable
 MAVERICK_DEBUG=1 shows the traceback of a user error as well.
@@ -42,7 +42,7 @@ USER_ERROR_STATUS = 2
 DEBUG_FLAG = "--debug"
 DEBUG_ENV = "MAVERICK_DEBUG"
 # OS errors caused by a path the user gave; their message carries the path
-_USER_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+_USER_OS_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
 class UserError(ValueError):
@@ -72,6 +72,8 @@ def run_cli(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None)
 
 def user_message(exc: BaseException) -> str:
     """One line: an OSError as '<path>: <reason>' unless its message already names the path."""
+    if isinstance(exc, FileExistsError) and exc.filename is not None and Path(exc.filename).is_file():
+        return f"{exc.filename}: is a file; an output directory goes there (give another --out)"
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
         return f"{exc.filename}: {exc.strerror}"
     return " ".join(str(exc).split()) or type(exc).__name__

@@ -506,3 +506,44 @@ def test_too_few_samples_for_one_batch_say_which_options():
         UserError, match=r"3 samples cannot fill one global batch of 4 \(--batch-size x --grad-accum"
     ):
         epoch_batches([5] * 3, 4, 0, 0)
+
+
+# ---- outputs: a path that is not ours is refused, untouched ----
+
+
+def test_regenerate_refuses_an_out_file_it_did_not_write_and_leaves_it_untouched(tmp_path, capsys):
+    from train import regenerate
+
+    f = tmp_path / "notes.md"
+    f.write_bytes(b"# my notes\nno newline at the end")  # the last line looks like a cut-off write
+    code, err = exit_status(regenerate.main, ["--out", str(f), "--max-samples", "1"], capsys)
+    assert code == 2 and f"{f}: line 1 is not a record of train.regenerate" in err
+    assert f.read_bytes() == b"# my notes\nno newline at the end"
+    ours = tmp_path / "chats.jsonl"  # the control: an interrupted file of ours loses its partial line only
+    ours.write_text('{"id": "a", "messages": []}\n{"id": "b", "mess')
+    assert regenerate._read_done(ours) == {"a"} and ours.read_text() == '{"id": "a", "messages": []}\n'
+
+
+def test_an_output_directory_where_a_file_is_is_one_line(tmp_path, capsys):
+    from train import fit
+
+    f = tmp_path / "taken"
+    f.write_text("x")
+    code, err = exit_status(fit.main, ["--online", "--out", str(f), "--steps", "1", "--cpu"], capsys)
+    assert (
+        code == 2 and err == f"error: {f}: is a file; an output directory goes there (give another --out)\n"
+    )
+    assert f.read_text() == "x"
+
+
+def test_output_files_where_a_directory_is_and_answers_too_short_to_score(tmp_path, capsys):
+    from eval import acceptance
+    from train import stage_data
+
+    draft = str(ROOT / "eagle3/drafts/smollm2-135m-instruct")
+    code, err = exit_status(acceptance.main, ["--draft", draft, "--max-new-tokens", "5"], capsys)
+    assert code == 2 and "--max-new-tokens 5 scores no position with --steps 5" in err
+    code, err = exit_status(acceptance.main, ["--draft", draft, "--out", str(tmp_path)], capsys)
+    assert code == 2 and f"--out {tmp_path} is a directory" in err
+    code, err = exit_status(stage_data.main, ["--out", str(tmp_path)], capsys)
+    assert code == 2 and f"--out {tmp_path} is a directory" in err

@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from maverick.cli import (
+    UserError,
     add_threads_option,
     device,
     nonnegative_int,
@@ -45,16 +46,28 @@ def skipped_path(out: Path) -> Path:
 
 
 def _read_done(path: Path) -> set[str]:
-    """Ids already written; a partial last line (an interrupted write) is cut off first."""
+    """Ids already written; a partial last line (an interrupted write) is cut off, once every whole line has
+    been read as a record (a file that is not ours is refused untouched)."""
     if not path.exists():
         return set()
     data = path.read_bytes()
     keep = data[: data.rfind(b"\n") + 1]
+    ids = set()
+    for i, line in enumerate(keep.split(b"\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            ids.add(json.loads(line)["id"])
+        except (ValueError, KeyError, TypeError):  # the file is not ours: refuse it before changing a byte
+            raise UserError(
+                f"{path}: line {i} is not a record of train.regenerate (a JSON object with an 'id'); give --out "
+                "a new file, or one an earlier run wrote, to continue it"
+            ) from None
     if len(keep) != len(data):
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_bytes(keep)
         os.replace(tmp, path)
-    return {json.loads(line)["id"] for line in keep.decode().splitlines() if line.strip()}
+    return ids
 
 
 def user_turns(conv: dict, turns: int, max_user_chars: int) -> list[str]:
@@ -78,11 +91,11 @@ def regenerate(
     """Answer the user turns of `conversations` with the target and append them to `out` (JSONL).
     target: a .gguf file or an HF directory (default SmolLM2-135M-Instruct); max_seconds: start no new batch
     after this long (the file stays whole; a rerun continues)."""
+    done = _read_done(out) | _read_done(skipped_path(out))  # before any model loads: a wrong --out stops here
     model = load_target(target, dtype=dtype, device=device)
     tok = load_target_tokenizer(target)
     eos = model.config.eos_ids
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = _read_done(out) | _read_done(skipped_path(out))
     todo = [c for c in conversations if c["id"] not in done and user_turns(c, turns, max_user_chars)]
     # sort by first-turn length within blocks of 8 batches, so a batch holds similar lengths (less padding
     # in the prefill) while the blocks keep the given order: a run stopped early answered every length

@@ -122,6 +122,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--gguf", default=None, help="the tokenizer's GGUF (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--max-conversations", type=positive_int, default=None)
     args = ap.parse_args(argv)
+    if args.out.is_dir():
+        raise UserError(f"--out {args.out} is a directory; give the records' file name (.jsonl.xz)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     tok = load_tokenizer(args.gguf)
     convs = [c for f in args.chats for c in read_chats(f)] if args.chats else load_sharegpt()[0]
