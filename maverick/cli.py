@@ -9,8 +9,9 @@ Missing or unreadable files and an output path taken by a file (`FileNotFoundErr
 `PermissionError`, `IsADirectoryError`, `NotADirectoryError`) count as the user's too: their message names
 the path. Everything else is a bug and propagates with its traceback.
 
-`--debug` (anywhere on the command line; it is removed before `main` parses) or the environment variable
-MAVERICK_DEBUG=1 shows the traceback of a user error as well.
+Ctrl-C is one line too (exit status 130). `--debug` (anywhere on the command line; it is removed before
+`main` parses) or the environment variable MAVERICK_DEBUG=1 shows the traceback of a user error or an
+interrupt as well.
 
 A new CLI needs two lines:
 
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 USER_ERROR_STATUS = 2
+INTERRUPTED_STATUS = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 DEBUG_FLAG = "--debug"
 DEBUG_ENV = "MAVERICK_DEBUG"
 # OS errors caused by a path the user gave; their message carries the path
@@ -67,6 +69,13 @@ def run_cli(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None)
             raise
         print(f"error: {user_message(exc)}", file=sys.stderr, flush=True)
         sys.exit(USER_ERROR_STATUS)
+    except KeyboardInterrupt:
+        # Ctrl-C: outputs are renamed in whole or appended record by record (a cut record is dropped when
+        # the command runs again), so this is a clean stop
+        if debug:
+            raise
+        print("interrupted (the resumable commands continue where they were when run again)", file=sys.stderr)
+        sys.exit(INTERRUPTED_STATUS)
     sys.exit(result if isinstance(result, int) and not isinstance(result, bool) else 0)
 
 

@@ -547,3 +547,15 @@ def test_output_files_where_a_directory_is_and_answers_too_short_to_score(tmp_pa
     assert code == 2 and f"--out {tmp_path} is a directory" in err
     code, err = exit_status(stage_data.main, ["--out", str(tmp_path)], capsys)
     assert code == 2 and f"--out {tmp_path} is a directory" in err
+
+
+def test_ctrl_c_is_one_line_and_status_130(capsys, monkeypatch):
+    monkeypatch.delenv("MAVERICK_DEBUG", raising=False)
+
+    def main(argv):
+        raise KeyboardInterrupt
+
+    code, err = exit_status(main, [], capsys)
+    assert code == 130 and err.startswith("interrupted") and err.count("\n") == 1
+    with pytest.raises(KeyboardInterrupt):  # --debug: the traceback
+        run_cli(main, ["--debug"])
