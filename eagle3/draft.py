@@ -216,6 +216,23 @@ def feature_layers_from_hf(d: dict, source: str = "config.json") -> tuple[int, .
     return tuple(top) if top is not None else tuple(i + 1 for i in nested)
 
 
+def check_draft_fits(
+    config: DraftConfig, target: Llama4Config, source: str = "the draft's config.json"
+) -> None:
+    """Before any work: the draft was made for a target of this vocabulary, hidden size and depth (a draft of
+    another target fails here, naming its config, not deep inside a matmul)."""
+    for key, mine, theirs in (
+        ("vocab_size", config.vocab_size, target.vocab_size),
+        ("target_hidden_size", config.target_hidden_size, target.hidden_size),
+    ):
+        if mine != theirs:
+            what = "vocabulary" if key == "vocab_size" else "hidden size"
+            raise UserError(
+                f"{source}: {key}={mine}, but the target's {what} is {theirs}: a draft of another target"
+            )
+    check_feature_layers(config.feature_layers, target.num_hidden_layers, source)
+
+
 def check_feature_layers(
     feature_layers: tuple[int, ...], num_target_layers: int, source: str = "the draft's config.json"
 ) -> None:
@@ -297,6 +314,7 @@ class Eagle3Draft(nn.Module):
     def __init__(self, c: DraftConfig):
         super().__init__()
         self.config = c
+        self.source = "the draft's config.json"  # where the config was read (load_draft), for messages
         n, Ht = len(c.feature_layers), c.target_hidden_size
         if c.norm_before_fc:
             self.input_norm = RMSNorm(n * Ht, c.rms_norm_eps)
@@ -462,6 +480,7 @@ def load_draft(
     tensors["d2t"], tensors["t2d"] = d2t.to(device), t2d.to(device)
     draft.load_state_dict(tensors, strict=True, assign=True)
     draft.inv_freq = _inv_freq(cfg).to(device)
+    draft.source = str(cfg_file)
     return draft.eval()
 
 

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from eagle3.compiled_draft import CompiledDraft
 from eagle3.datastore import Datastore
-from eagle3.draft import Eagle3Draft, check_feature_layers
+from eagle3.draft import Eagle3Draft, check_draft_fits
 from eagle3.lookup import LookupConfig, NgramIndex
 from eagle3.sampling import (
     tree_attention_mask,
@@ -130,15 +130,7 @@ class SpecDecoder:
             raise ValueError("compiled tree verifies are checked on CPU engines only; on CUDA verify chains")
         if datastore is not None and lookup is None:
             raise ValueError("a datastore extends prompt lookup: pass lookup=LookupConfig() with it")
-        if draft.config.vocab_size != target.config.vocab_size:
-            raise ValueError(
-                f"draft vocab_size {draft.config.vocab_size} != target vocab_size {target.config.vocab_size}"
-            )
-        if draft.config.target_hidden_size != target.config.hidden_size:
-            raise ValueError(
-                f"draft target_hidden_size {draft.config.target_hidden_size} != target {target.config.hidden_size}"
-            )
-        check_feature_layers(draft.config.feature_layers, target.config.num_hidden_layers)
+        check_draft_fits(draft.config, target.config, draft.source)
         self.target, self.draft = target, draft
         self.embed = target.model.embed_tokens
         self.feature_layers = tuple(draft.config.feature_layers)

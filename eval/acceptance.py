@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eagle3.draft import check_feature_layers, load_draft
+from eagle3.draft import check_draft_fits, load_draft
 from eval.prompts import BENCHMARKS, check_prompts_option, load_benchmark
 from maverick.cli import UserError, add_threads_option, positive_int, run_cli
 from maverick.target import TARGET_HELP, load_target, load_target_tokenizer
@@ -64,10 +64,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     model, tok = load_target(args.target, dtype=dtype), load_target_tokenizer(args.target)
     drafts = {path: load_draft(path, dtype=dtype) for path in args.draft}  # every draft checked before work
-    for path, draft in drafts.items():
-        check_feature_layers(
-            draft.config.feature_layers, model.config.num_hidden_layers, f"{path}/config.json"
-        )
+    for draft in drafts.values():
+        check_draft_fits(draft.config, model.config, draft.source)
     bench = load_benchmark(args.bench, args.n, args.prompts)
     prompts = [
         encode_chat(

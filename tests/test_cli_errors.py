@@ -325,11 +325,22 @@ def test_regenerate_skips_and_records_empty_answers(target, tmp_path, monkeypatc
 
 
 @pytest.mark.skipif(os.name != "posix", reason="paths")
-def test_acceptance_refuses_a_draft_before_answering(tmp_path, capsys):
-    from eval import acceptance
+def test_acceptance_and_bench_refuse_a_draft_of_another_target_before_answering(tmp_path, capsys):
+    from eval import acceptance, bench
 
-    _, path = make(tmp_path)  # a tiny draft: not the SmolLM2 target's (its shapes do not fit)
-    c = json.loads((path / "config.json").read_text())
+    _, tiny = make(tmp_path / "tiny")  # a tiny draft: not the SmolLM2 target's
+    code, err = exit_status(acceptance.main, ["--draft", str(tiny), "--n", "1"], capsys)
+    assert code == 2 and err == (
+        f"error: {tiny}/config.json: vocab_size=512, but the target's vocabulary is 49152: a draft of another target\n"
+    )
+    argv = ["--draft", str(tiny), "--n", "1", "--methods", "eagle3-k3", "--out", str(tmp_path / "r")]
+    code, err = exit_status(bench.main, argv, capsys)
+    assert code == 2 and f"{tiny}/config.json: vocab_size=512" in err
+    shipped = ROOT / "eagle3/drafts/smollm2-135m-instruct"
+    path = tmp_path / "draft"  # the shipped draft with an aux layer past the target's 30
+    path.mkdir()
+    (path / "model.safetensors").symlink_to(shipped / "model.safetensors")
+    c = json.loads((shipped / "config.json").read_text())
     c["eagle_aux_hidden_state_layer_ids"], c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = (
         [2, 15, 99],
         [1, 14, 98],
