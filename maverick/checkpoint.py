@@ -235,7 +235,10 @@ def hf_model_config(path: str | os.PathLike) -> tuple[Llama4Config, bool]:
     if hf_llama.is_llama(d):
         return hf_llama.config_from_hf(d, source), True
     _check_llama4(d, source)
-    return Llama4Config.from_hf_dict(d), False
+    try:
+        return Llama4Config.from_hf_dict(d), False
+    except ValueError as exc:  # a field of the wrong type or value (Llama4Config's checks)
+        raise CheckpointError(f"{source}: {exc}") from None
 
 
 def load_hf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Llama4:

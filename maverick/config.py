@@ -35,6 +35,11 @@ def dense_llama_fields(num_layers: int) -> dict[str, Any]:
     }
 
 
+# fields that are counts; each must be an int >= 1
+_COUNTS = ("vocab_size", "hidden_size", "intermediate_size", "intermediate_size_mlp", "num_hidden_layers",
+           "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")  # fmt: skip
+
+
 @dataclass
 class Llama4Config:
     vocab_size: int = 202048
@@ -71,6 +76,7 @@ class Llama4Config:
     )  # unknown HF fields, written back unchanged
 
     def __post_init__(self):
+        self._check_types()
         L = self.num_hidden_layers
         if self.no_rope_layers is None:
             self.no_rope_layers = [int((i + 1) % self.no_rope_layer_interval != 0) for i in range(L)]
@@ -82,6 +88,21 @@ class Llama4Config:
         self.no_rope_layers = [int(x) for x in self.no_rope_layers]
         self.moe_layers = sorted(int(x) for x in self.moe_layers)
         self.validate()
+
+    def _check_types(self) -> None:
+        """Fields read from a config.json have the types they size things with (before any arithmetic)."""
+        for key in _COUNTS:
+            v = getattr(self, key)
+            if not (type(v) is int and v >= 1):
+                raise ValueError(f"invalid Llama4Config: {key} must be a positive integer, got {v!r}")
+        for key in ("num_local_experts", "interleave_moe_layer_step", "no_rope_layer_interval"):
+            v = getattr(self, key)
+            if not (type(v) is int and v >= 0):
+                raise ValueError(f"invalid Llama4Config: {key} must be an integer >= 0, got {v!r}")
+        for key in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, key)
+            if not (type(v) in (int, float) and v > 0):
+                raise ValueError(f"invalid Llama4Config: {key} must be a positive number, got {v!r}")
 
     def validate(self) -> None:
         def need(ok: bool, msg: str):

@@ -570,3 +570,37 @@ def test_ctrl_c_is_one_line_and_status_130(capsys, monkeypatch):
     assert code == 130 and err.startswith("interrupted") and err.count("\n") == 1
     with pytest.raises(KeyboardInterrupt):  # --debug: the traceback
         run_cli(main, ["--debug"])
+
+
+# ---- a target's config.json with a field of the wrong type ----
+
+
+@pytest.mark.parametrize(
+    "key, value, says",
+    [
+        ("num_attention_heads", "nine", "num_attention_heads must be a positive integer, got 'nine'"),
+        ("hidden_size", 0, "hidden_size must be a positive integer, got 0"),
+        ("vocab_size", 1.5, "vocab_size must be a positive integer, got 1.5"),
+        ("rms_norm_eps", "1e-5", "rms_norm_eps must be a positive number, got '1e-5'"),
+        ("rope_theta", -1, "rope_theta must be a positive number, got -1"),
+    ],
+)
+@pytest.mark.parametrize("layout", ["llama", "llama4"])
+def test_target_config_fields_of_the_wrong_type_name_the_file_and_field(layout, key, value, says, tmp_path):
+    from maverick.checkpoint import hf_model_config
+    from maverick.config import get_config
+
+    if layout == "llama":
+        d = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 64,
+             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "rope_theta": 10000.0}  # fmt: skip
+    else:
+        d = get_config("tiny-moe").to_hf_dict()
+        d.pop("rope_parameters")
+        d["rope_theta"] = 10000.0
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps(d))
+    cfg, _ = hf_model_config(tmp_path)  # the control: the file as written reads
+    assert cfg.hidden_size == d["hidden_size"]
+    f.write_text(json.dumps(d | {key: value}))
+    with pytest.raises(UserError, match=re.escape(f"{f}: ") + ".*" + re.escape(says)):
+        hf_model_config(tmp_path)
