@@ -210,7 +210,8 @@ class SpecDecoder:
         B = len(prompts)
         if self.tree is not None and B != 1:
             raise ValueError("tree drafting runs one prompt at a time (batch size 1)")
-        check_lengths(prompts, max_new_tokens, self.target.config.max_position_embeddings)
+        c = self.target.config
+        check_lengths(prompts, max_new_tokens, c.max_position_embeddings, vocab_size=c.vocab_size)
         if max_new_tokens == 0:  # nothing to emit: not even the prefill's token
             gen = Generation([[] for _ in prompts], [len(p) for p in prompts], 0.0, 0.0)
             gen.stats = {"spec": SpecStats()}

@@ -66,15 +66,29 @@ def prefill(model: Llama4, cache: KVCache, prompts: Sequence[Sequence[int]], **k
 
 
 def check_lengths(
-    prompts: Sequence[Sequence[int]], max_new_tokens: int, context: int, what: str = "prompt"
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    context: int,
+    what: str = "prompt",
+    vocab_size: int | None = None,
 ) -> None:
     """Before any work: a negative count is a bug of the caller's; a prompt that, with its new tokens,
-    runs past the target's context (max_position_embeddings) is the user's, named with its length."""
+    runs past the target's context (max_position_embeddings) is the user's, named with its length, and so
+    is a token id outside the target's vocabulary (ids from another tokenizer), named with the id."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     for b, p in enumerate(prompts):
+        row = f" {b}" if len(prompts) > 1 else ""
+        if not len(p):
+            raise UserError(f"{what}{row} is empty: a prompt needs at least one token")
+        if vocab_size is not None:
+            lo, hi = min(p), max(p)
+            if lo < 0 or hi >= vocab_size:
+                raise UserError(
+                    f"{what}{row} holds token id {lo if lo < 0 else hi}, outside the target's vocabulary of "
+                    f"{vocab_size} (ids 0..{vocab_size - 1}): ids of another tokenizer?"
+                )
         if len(p) + max_new_tokens > context:
-            row = f" {b}" if len(prompts) > 1 else ""
             raise UserError(
                 f"{what}{row} is {len(p)} tokens; with {max_new_tokens} new tokens that runs past the "
                 f"target's context of {context} tokens (max_position_embeddings): shorten it or lower "
@@ -137,7 +151,8 @@ class Decoder:
         finished rows from the batch (and the cache) as they end, for throughput jobs; `on_tokens` then
         sees only the live rows, and a compiled step recompiles for each new batch size."""
         B = len(prompts)
-        check_lengths(prompts, max_new_tokens, self.model.config.max_position_embeddings)
+        c = self.model.config
+        check_lengths(prompts, max_new_tokens, c.max_position_embeddings, vocab_size=c.vocab_size)
         if B != self.cache.batch_size:
             self.cache = self._new_cache(B, self.cache.max_len)
         if max(len(p) for p in prompts) + max_new_tokens > self.cache.max_len:

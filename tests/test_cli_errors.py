@@ -604,3 +604,19 @@ def test_target_config_fields_of_the_wrong_type_name_the_file_and_field(layout, 
     f.write_text(json.dumps(d | {key: value}))
     with pytest.raises(UserError, match=re.escape(f"{f}: ") + ".*" + re.escape(says)):
         hf_model_config(tmp_path)
+
+
+def test_prompts_that_are_empty_or_hold_ids_past_the_vocabulary_are_refused(target):
+    V = target.config.vocab_size
+    for dec in (Decoder(target, max_len=64), SpecDecoder(target, make_draft(target), max_len=128)):
+        with pytest.raises(UserError, match="prompt 1 is empty: a prompt needs at least one token"):
+            dec.generate([[5, 9], []], 2)
+        with pytest.raises(
+            UserError, match=rf"prompt holds token id {V}, outside the target's vocabulary of {V} "
+        ):
+            dec.generate([[5, V, 2]], 2)
+        with pytest.raises(UserError, match="prompt holds token id -1, outside"):
+            dec.generate([[-1, 5]], 2)
+        assert (
+            len(dec.generate([[5, V - 1]], 2, stop_ids=()).tokens[0]) == 2
+        )  # the control: the last id is in
