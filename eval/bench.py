@@ -423,8 +423,9 @@ def main(argv=None) -> int:
     add_threads_option(ap)
     ap.add_argument("--out", default=None, help="report directory (default results/bench-<time>)")
     ap.add_argument("--preset", choices=list(PRESETS), default="full",
-                    help="quick: 3 questions, 7 methods (make bench, ~5 min); full: the defaults above "
-                         "(make bench-full, ~20 min); explicit --n / --methods override it")  # fmt: skip
+                    help="quick: 3 questions, 7 methods (make bench, ~2 min on 2 cores); full: the defaults above "
+                         "(make bench-full, ~20 min); engine: eager vs compiled engines and llama.cpp "
+                         "(make bench-engine); explicit --n / --methods override it")  # fmt: skip
     ap.set_defaults(**PRESETS[ap.parse_known_args(argv)[0].preset])
     args = ap.parse_args(argv)
 
