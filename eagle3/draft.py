@@ -440,10 +440,8 @@ def load_draft(
 ) -> Eagle3Draft:
     """Read a draft directory as vLLM does: config.json and EVERY *.safetensors file in it (so a file that
     is not part of the draft is an error here too, as it is there). Errors name the file and key."""
-    path = Path(path)
+    path = draft_dir(path)
     cfg_file = path / "config.json"
-    if not cfg_file.exists():
-        raise FileNotFoundError(f"no config.json in draft directory {path}")
     cfg = DraftConfig.from_hf_dict(read_json(cfg_file), source=str(cfg_file))
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -482,6 +480,15 @@ def load_draft(
     draft.inv_freq = _inv_freq(cfg).to(device)
     draft.source = str(cfg_file)
     return draft.eval()
+
+
+def draft_dir(path: str | os.PathLike) -> Path:
+    """A draft directory, or a training run's --out holding one in draft/ (train.fit, train.stage)."""
+    path = Path(path)
+    for p in (path, path / "draft"):
+        if (p / "config.json").is_file():
+            return p
+    raise FileNotFoundError(f"{path}: no draft (config.json) there or in {path / 'draft'}")
 
 
 def read_json(path: Path) -> dict:

@@ -620,3 +620,15 @@ def test_prompts_that_are_empty_or_hold_ids_past_the_vocabulary_are_refused(targ
         assert (
             len(dec.generate([[5, V - 1]], 2, stop_ids=()).tokens[0]) == 2
         )  # the control: the last id is in
+
+
+def test_a_training_runs_out_directory_names_its_draft(tmp_path):
+    """--draft / load_draft take a draft directory or a train.fit / train.stage --out holding one in draft/."""
+    _, path = make(tmp_path / "run")
+    assert path == tmp_path / "run" / "draft"
+    a, b = load_draft(path), load_draft(tmp_path / "run")
+    assert b.source == str(path / "config.json") and torch.equal(a.fc.weight, b.fc.weight)
+    with pytest.raises(
+        FileNotFoundError, match=rf"{tmp_path}: no draft \(config.json\) there or in {tmp_path}/draft"
+    ):
+        load_draft(tmp_path)

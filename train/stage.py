@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3.draft import NORM_VARIANTS, DraftConfig, Eagle3Draft, load_draft, read_json, save_draft
+from eagle3.draft import draft_dir as find_draft_dir
 from eagle3.vocab import count_tokens
 from maverick.cli import (
     UserError,
@@ -87,11 +88,11 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def draft_dir(path: Path) -> Path:
-    """A draft directory, or a stage's --out holding one in draft/."""
-    for p in (path, path / "draft"):
-        if (p / "config.json").is_file():
-            return p
-    raise StageError(f"{path}: no draft (config.json) there or in {path / 'draft'}")
+    """A draft directory, or a stage's --out holding one in draft/ (a StageError: it stops the stage)."""
+    try:
+        return find_draft_dir(path)
+    except FileNotFoundError as exc:
+        raise StageError(str(exc)) from None
 
 
 def earlier_answers(init: Path | None, data: list[dict]) -> list[dict]:
