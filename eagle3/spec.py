@@ -60,12 +60,24 @@ class TreeConfig:
     top_k: int = 8
     total_tokens: int = 48  # draft nodes verified per cycle (the root excluded)
 
+    def for_sampling(self, sampling: SamplingParams | None) -> TreeConfig:
+        """The tree to draft under `sampling`: this one when greedy. Sampling verifies a full tree (every node
+        drawn, none pruned: pruning by value would bias the output), so at temperature > 0 the tree is cut to
+        2 children per node and the depth at which its node count still fits in total_tokens."""
+        if sampling is None or sampling.greedy:
+            return self
+        k = min(2, self.top_k)
+        depth = 1
+        while depth < self.depth and sum(k**d for d in range(1, depth + 2)) <= self.total_tokens:
+            depth += 1
+        return TreeConfig(depth, k, sum(k**d for d in range(1, depth + 1)))
+
 
 @dataclass
 class SpecStats:
     cycles: int = 0
     accepted: list[int] = field(default_factory=list)  # per cycle (row 0 for batches; see accepted_rows)
-    accepted_rows: list[list[int]] = field(default_factory=list)
+    accepted_rows: list[list[int]] = field(default_factory=list)  # per cycle, the rows still decoding
     draft_lengths: list[int] = field(default_factory=list)  # k per cycle (trees: the depth)
     lookup_rows: list[int] = field(default_factory=list)  # per cycle: rows whose draft was copied
     store_rows: list[int] = field(default_factory=list)  # per cycle: of those, rows copied from the datastore
@@ -179,11 +191,12 @@ class SpecDecoder:
 
     def _catch_up(self, features: Tensor, next_tokens: Tensor, keep: Tensor) -> Tensor:
         """Pairs (features[:, j], next_tokens[:, j]) from the draft cache's current length; keep[b] of them
-        per row are real. Returns the draft state after the last kept pair [B, 1, H]."""
+        per row are real (0: a frozen row, whose returned state is its first pair's and unused). Returns the
+        draft state after the last kept pair [B, 1, H]."""
         start = self.dcache.lengths.clone()
         h = self.draft(self.embed(next_tokens), self.draft.project(features), None, cache=self.dcache)
         self.dcache.truncate(start + keep)
-        return h.gather(1, (keep - 1)[:, None, None].expand(-1, 1, h.shape[-1]))
+        return h.gather(1, (keep - 1).clamp(min=0)[:, None, None].expand(-1, 1, h.shape[-1]))
 
     def _draft_dist(self, logits_d: Tensor, sampling: SamplingParams | None) -> Tensor:
         """Draft-vocab logits [.., V'] -> draft probs over the draft vocab (same processing as the target)."""
@@ -205,8 +218,12 @@ class SpecDecoder:
         stop_ids: Sequence[int] = (),
         generator: torch.Generator | None = None,
         on_cycle: Callable[[list[list[int]]], None] | None = None,
+        on_output: Callable[[list[list[int]]], None] | None = None,
     ) -> Generation:
-        """Decode; `on_cycle(tokens_per_row)` sees each cycle's emitted tokens (for streaming / highlighting)."""
+        """Decode; `on_cycle(tokens_per_row)` sees each cycle's emitted tokens (for highlighting: the
+        prefill's token is not a cycle's; a cycle may emit past a stop token or the budget), `on_output(
+        tokens_per_row)` the tokens each row's output grows by: the prefill's first, then each cycle's that are
+        kept (for streaming: they join up to the returned tokens)."""
         B = len(prompts)
         if self.tree is not None and B != 1:
             raise ValueError("tree drafting runs one prompt at a time (batch size 1)")
@@ -243,13 +260,16 @@ class SpecDecoder:
         stats.prefill_seconds = ttft
 
         outs = [[int(t)] for t in last.tolist()]
+        if on_output is not None:
+            on_output([list(o) for o in outs])
         index = None
         if self.lookup is not None:
             index = [NgramIndex(self.lookup, list(p) + o) for p, o in zip(prompts, outs)]
             streak = [False] * B  # the row's last copy was accepted in full
         stop = set(stop_ids)
-        done = [o[-1] in stop for o in outs]
-        while not all(done) and min(len(o) for o in outs) < max_new_tokens:
+        # a row is done at a stop token or its budget; done rows of a batch ride along frozen (_chain_cycle)
+        done = [o[-1] in stop or len(o) >= max_new_tokens for o in outs]
+        while not all(done):
             # per row: the copied tokens, None (no match: the EAGLE-3 draft drafts) or [] (finished)
             proposals = None
             if index is not None:
@@ -264,7 +284,7 @@ class SpecDecoder:
             if self.tree is not None and (proposals is None or proposals[0] is None):
                 emitted, h, last = self._tree_cycle(h, last, sampling, generator, stats)
             else:  # trees too verify a copied draft as a chain
-                emitted, h, last = self._chain_cycle(h, last, sampling, generator, stats, proposals)
+                emitted, h, last = self._chain_cycle(h, last, sampling, generator, stats, proposals, done)
             if index is not None:
                 for b, (ix, e) in enumerate(zip(index, emitted)):
                     ix.extend(e)
@@ -272,18 +292,19 @@ class SpecDecoder:
                     if copied and self._tunes_copies():
                         self.policy.record_copy(len(copied), len(e) - 1, streak[b])
                     streak[b] = bool(copied) and len(e) > len(copied)  # every copied token kept, + the next
+            grown = [len(o) for o in outs]
             for b in range(B):
                 if done[b]:
                     continue
                 for t in emitted[b]:
-                    if len(outs[b]) >= max_new_tokens:
-                        break
                     outs[b].append(t)
-                    if t in stop:
+                    if t in stop or len(outs[b]) >= max_new_tokens:
                         done[b] = True
                         break
             if on_cycle is not None:
                 on_cycle(emitted)
+            if on_output is not None:
+                on_output([o[n:] for o, n in zip(outs, grown)])
         gen = Generation(outs, [len(p) for p in prompts], time.perf_counter() - t0, ttft)
         gen.stats = {"spec": stats}
         return gen
@@ -312,9 +333,11 @@ class SpecDecoder:
         k = max(getattr(self.policy, "choices", [getattr(self.policy, "k", 8)]) + [8])
         return max(k, self.lookup.streak_tokens) if self.lookup is not None else k
 
-    def _chain_cycle(self, h, last, sampling, generator, stats, proposals=None):
+    def _chain_cycle(self, h, last, sampling, generator, stats, proposals=None, frozen=None):
         """One chain cycle. proposals (prompt lookup): per row a list of copied draft tokens, [] for no
-        draft, or None where the EAGLE-3 draft should draft; without it every row uses the draft."""
+        draft, or None where the EAGLE-3 draft should draft; without it every row uses the draft. frozen: per
+        row, True for a finished row of a batch: it runs along (the batch keeps its shape) but its caches keep
+        their lengths, so it cannot outgrow them while the others go on, and its acceptance is not counted."""
         greedy = sampling is None or sampling.greedy
         dev = last.device
         B = last.shape[0]
@@ -373,13 +396,15 @@ class SpecDecoder:
                 acc, y = verify_chain_sampling(d_tokens, q_all, p, generator, lengths)
             else:
                 acc, y = torch.zeros(B, dtype=torch.long, device=dev), sample(p[:, 0], generator)
-        self.tcache.truncate(n + acc + 1)
+        live = [True] * B if frozen is None else [not f for f in frozen]
+        keep = acc + 1 if all(live) else torch.where(torch.tensor(live, device=dev), acc + 1, 0)
+        self.tcache.truncate(n + keep)
         _sync(dev)
         t2 = time.perf_counter()
         # the draft drops its own steps and catches up on the accepted tokens' target features
         self.dcache.truncate(n)
         nxt = torch.cat([d_tokens, torch.zeros_like(last)[:, None]], 1).scatter_(1, acc[:, None], y[:, None])
-        h = self._catch_up(out.features, nxt, acc + 1)
+        h = self._catch_up(out.features, nxt, keep)
         _sync(dev)
         t3 = time.perf_counter()
 
@@ -388,12 +413,12 @@ class SpecDecoder:
         if any(use_draft):  # the policy learns the draft's costs and acceptance from the rows it drafted for
             self.policy.record_draft(k, (t1 - t0) + (t3 - t2))
         self.policy.record_verify(K + 1, t2 - t1)
-        if any(use_draft):
-            drafted = [a for a, u in zip(acc_l, use_draft) if u]
+        drafted = [a for a, u, v in zip(acc_l, use_draft, live) if u and v]
+        if drafted:
             self.policy.record_acceptance(k, drafted if len(drafted) > 1 else drafted[0])
         stats.cycles += 1
         stats.accepted.append(acc_l[0])
-        stats.accepted_rows.append(acc_l)
+        stats.accepted_rows.append([a for a, v in zip(acc_l, live) if v])
         stats.draft_lengths.append(lens[0])
         stats.lookup_rows.append(len(copied))
         stats.draft_seconds += (t1 - t0) + (t3 - t2)

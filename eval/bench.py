@@ -159,16 +159,9 @@ class _FirstToken:
 
 
 def tree_config(args) -> TreeConfig:
-    """The tree of --tree-*. Sampling verifies a full tree (every node drawn, none pruned: pruning by value
-    would bias the output), so at temperature > 0 the tree is cut to 2 children per node and the depth
-    at which its node count still fits in --tree-tokens."""
-    if sampling_params(args).greedy:
-        return TreeConfig(args.tree_depth, args.tree_top_k, args.tree_tokens)
-    k = min(2, args.tree_top_k)
-    depth = 1
-    while depth < args.tree_depth and sum(k**d for d in range(1, depth + 2)) <= args.tree_tokens:
-        depth += 1
-    return TreeConfig(depth, k, sum(k**d for d in range(1, depth + 1)))
+    """The tree of --tree-*, cut for sampling (TreeConfig.for_sampling)."""
+    tree = TreeConfig(args.tree_depth, args.tree_top_k, args.tree_tokens)
+    return tree.for_sampling(sampling_params(args))
 
 
 def method_parts(name: str) -> tuple[str, bool, bool]:

@@ -113,6 +113,55 @@ def test_batched_chain_per_row_lengths(target):
     assert max(rows[0]) == 4 and max(rows[1]) < 4  # rows really accepted different lengths
 
 
+def test_on_output_streams_exactly_the_returned_tokens(target):
+    """on_output's pieces join up to each row's output, cut at a stop token and at the budget, while a
+    cycle may emit past both (on_cycle sees those); the prefill's token comes first."""
+    ps = prompts(2)
+    ref = Decoder(target, max_len=128).generate(ps, 30).tokens
+    seq = ps[0] + ref[0]
+    stop = [ref[0][17]]  # row 0 stops inside an accepted run of the oracle
+    for tree in (None, TreeConfig(3, 2, 6)):
+        rows = ps if tree is None else ps[:1]
+        dec = SpecDecoder(
+            target, make_draft(target, cls=OracleDraft, seq=seq), max_len=128, policy=FixedK(4), tree=tree
+        )
+        pieces, cycles = [], []
+        got = dec.generate(rows, 30, stop_ids=stop, on_output=pieces.append, on_cycle=cycles.append)
+        joined = [sum((p[b] for p in pieces), []) for b in range(len(rows))]
+        assert joined == got.tokens and len(pieces) == len(cycles) + 1
+        assert got.tokens[0] == ref[0][: ref[0].index(stop[0]) + 1]
+        assert sum(map(len, (c[0] for c in cycles))) + 1 > len(
+            got.tokens[0]
+        )  # the control: cycles ran past it
+
+
+def test_batch_rows_that_finish_early_stay_frozen(target):
+    """Row 0 (an oracle draft: 5 tokens a cycle) stops early while row 1 decodes on: the batch ends when
+    every row is done (at a stop token or the budget), and row 0's caches keep their length meanwhile, so a
+    long budget cannot overflow them (it did: a finished row kept growing with every cycle)."""
+    ps = prompts(2)
+    ref = Decoder(target, max_len=128).generate(ps, 60).tokens
+    stop = [ref[0][6]]
+    want = [Decoder(target, max_len=128).generate([p], 60, stop_ids=stop).tokens[0] for p in ps]
+    assert len(want[0]) <= 7 and len(want[1]) > 30  # the control: the rows really end far apart
+    dec = SpecDecoder(
+        target, make_draft(target, cls=OracleDraft, seq=ps[0] + ref[0]), max_len=128, policy=FixedK(4)
+    )
+    got = dec.generate(ps, 60, stop_ids=stop)
+    assert got.tokens == want
+    assert int(dec.tcache.lengths[0]) <= len(ps[0]) + len(want[0]) + 4  # not one slot per later cycle
+    assert all(len(r) == 1 for r in got.stats["spec"].accepted_rows[-3:])  # only row 1's counted at the end
+
+
+def test_tree_for_sampling_is_cut_to_two_children_and_the_budget():
+    tree = TreeConfig(3, 4, 12)
+    assert tree.for_sampling(None) is tree and tree.for_sampling(SamplingParams()) is tree
+    assert tree.for_sampling(SamplingParams(temperature=0.7)) == TreeConfig(
+        2, 2, 6
+    )  # 2 + 4 <= 12 < 2 + 4 + 8
+    assert TreeConfig(5, 8, 48).for_sampling(SamplingParams(temperature=1.0)) == TreeConfig(4, 2, 30)
+
+
 @pytest.mark.parametrize("k", [1, 4, 7])
 def test_oracle_draft_always_accepted_chain(target, k):
     p = prompts(1)[0]
