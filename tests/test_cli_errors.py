@@ -354,7 +354,7 @@ def test_acceptance_and_bench_refuse_a_draft_of_another_target_before_answering(
 
 ENTRY_POINTS = [
     "maverick.generate", "maverick.parallel", "eval.acceptance", "eval.bench", "eval.bench_engine",
-    "eval.bench_fp8_gemm", "eval.compare_runs", "train.datastore", "train.dump", "train.fit",
+    "eval.bench_fp8_gemm", "eval.compare_runs", "eagle3.generate", "train.datastore", "train.dump", "train.fit",
     "train.regenerate", "train.stage", "train.stage_data",
 ]  # fmt: skip
 

@@ -1,0 +1,184 @@
+"""Speculative decoding of one prompt from the command line: the target with an EAGLE-3 draft.
+
+    python -m eagle3.generate --prompt "Why is the sky blue?" --chat
+    python -m eagle3.generate --prompt "Why is the sky blue?" --chat --lookup --q4 --engine compiled --check
+
+By default the SmolLM2 target and the shipped draft, the draft length tuned to the acceptance it sees
+(eagle3/tuner.py); `--k N` fixes it, `--tree D,K,T` drafts trees (depth, children per node, nodes verified);
+`--lookup` copies drafts from earlier text where the sequence repeats itself (eagle3/lookup.py). The answer
+streams cycle by cycle; a JSON line follows: tokens/s, tau (tokens per cycle, the bonus token included), the
+draft's share of the time and the draft lengths chosen. `--check` (greedy) decodes the prompt plainly as
+well, on the same weights and engine, and says whether the tokens are identical and how much faster the
+speculative decoding was. Plain decoding alone: `python -m maverick.generate`; many prompts and methods side
+by side: `python -m eval.bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.draft import check_draft_fits, load_draft
+from eagle3.lookup import LookupConfig
+from eagle3.spec import SpecDecoder, TreeConfig
+from eagle3.tuner import DraftLengthTuner, FixedK
+from maverick.cli import UserError, add_threads_option, positive_int, positive_int_list, run_cli
+from maverick.compiled import for_engine
+from maverick.generate import Decoder, Generation, check_lengths
+from maverick.sampling import SamplingParams, add_sampling_options
+from maverick.target import TARGET_HELP, load_target, load_target_tokenizer
+from maverick.tokenizer import encode_chat
+
+DEFAULT_DRAFT = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-instruct"
+# the tuner's draft lengths and prompt lookup's copy lengths: eval.bench's eagle3-tuned(+lookup)
+TUNED_CHOICES = range(1, 9)
+LOOKUP = LookupConfig(max_tokens=10, streak_tokens=20)
+
+
+def tree_spec(text: str) -> TreeConfig:
+    """argparse type: DEPTH,TOP_K,TOKENS."""
+    parts = positive_int_list(text)
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(f"{text!r}: give DEPTH,TOP_K,TOKENS, such as 3,4,12")
+    return TreeConfig(*parts)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m eagle3.generate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    ap.add_argument("--target", "--gguf", dest="target", default=None, help=TARGET_HELP)
+    ap.add_argument("--draft", default=str(DEFAULT_DRAFT),
+                    help="EAGLE-3 draft directory, or a training run's --out (default: the shipped draft)")  # fmt: skip
+    ap.add_argument("--max-new-tokens", type=positive_int, default=256)
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    add_sampling_options(ap)
+    shape = ap.add_mutually_exclusive_group()
+    shape.add_argument("--k", type=positive_int, default=None, help="a fixed draft length (default: tuned)")
+    shape.add_argument("--tree", type=tree_spec, default=None, metavar="D,K,T",
+                       help="draft trees: depth, children per node, draft nodes verified per cycle (3,4,12)")  # fmt: skip
+    ap.add_argument("--lookup", action="store_true", help="copy drafts from earlier text where it repeats")
+    ap.add_argument("--engine", choices=["eager", "compiled"], default="eager",
+                    help="compiled: the target's steps as compiled graphs (maverick/compiled.py)")  # fmt: skip
+    ap.add_argument(
+        "--q4", action="store_true", help="keep the GGUF's 4-bit linears packed (faster decoding)"
+    )
+    ap.add_argument("--check", action="store_true",
+                    help="greedy only: decode plainly too and compare the tokens (and the speed)")  # fmt: skip
+    add_threads_option(ap)
+    return ap
+
+
+def stats_of(gen: Generation) -> dict[str, Any]:
+    """What a researcher reads off one speculative generation: speed, tau, the draft's share, draft lengths."""
+    s = gen.stats["spec"]
+    n = gen.new_tokens
+    return {
+        "new_tokens": n,
+        "seconds": round(gen.seconds, 3),
+        "tokens_per_s": round(n / gen.seconds, 2) if gen.seconds > 0 else None,
+        "ttft_s": round(gen.ttft, 3),
+        "cycles": s.cycles,
+        "tau": round(s.tau, 3),
+        "draft_share": round(s.draft_seconds / gen.seconds, 3) if gen.seconds > 0 else None,
+        "lookup_cycles": s.lookup_cycles,
+        "draft_lengths": dict(sorted(Counter(s.draft_lengths).items())),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    if args.check and not sampling.greedy:
+        raise UserError(
+            "--check compares greedy tokens: drop --temperature (sampled outputs differ by design)"
+        )
+    if args.q4 and args.engine == "compiled" and args.dtype != "bf16":
+        raise UserError("--q4 --engine compiled runs the int4 kernel on bf16: add --dtype bf16 or drop --q4")
+    if args.tree is not None and args.engine == "compiled" and torch.cuda.is_available():
+        raise UserError("--tree on --engine compiled is checked on CPU engines only: verify chains on a GPU")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    tok = load_target_tokenizer(args.target)
+    ids = (
+        encode_chat(tok, [{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    )
+    target = load_target(args.target, dtype=dtype, q4=args.q4)
+    check_lengths([ids], args.max_new_tokens, target.config.max_position_embeddings, "--prompt")
+    draft = load_draft(args.draft, dtype=dtype, device=str(target.device))
+    check_draft_fits(draft.config, target.config, draft.source)
+
+    tree = args.tree.for_sampling(sampling) if args.tree is not None else None
+    room = max(128, (tree.total_tokens if tree else 0) + 32)  # slots past the answer for drafted tokens
+    max_len = len(ids) + args.max_new_tokens + room
+    model = for_engine(
+        target, args.engine, max_len, draft.config.feature_layers
+    )  # shared by --check's decoder
+    if args.engine == "compiled":
+        secs = model.compile()
+        print(json.dumps({"compile_s": round(sum(secs.values()), 1), "buckets": list(secs)}), flush=True)
+    policy = None if tree else FixedK(args.k) if args.k else DraftLengthTuner(choices=TUNED_CHOICES)
+    spec = SpecDecoder(
+        model,
+        draft,
+        max_len=max_len,
+        policy=policy,
+        tree=tree,
+        compile_draft=args.engine == "compiled",
+        lookup=LOOKUP if args.lookup else None,
+        engine=args.engine,
+    )
+    eos = target.config.eos_ids
+    emitted: list[int] = []
+    shown = ""
+
+    def stream(rows: list[list[int]]) -> None:
+        nonlocal shown
+        emitted.extend(rows[0])
+        text = tok.decode(emitted, skip_special_tokens=True)
+        sys.stdout.write(text[len(shown) :])
+        sys.stdout.flush()
+        shown = text
+
+    plain = Decoder(model, max_len=max_len) if args.check else None
+    if plain is not None:  # both warmed up alike, so that the speeds compare
+        plain.generate([ids], 8, stop_ids=())
+        spec.generate([ids], 8, stop_ids=())
+    rng = torch.Generator().manual_seed(args.seed)
+    gen = spec.generate([ids], args.max_new_tokens, sampling, eos, rng, on_output=stream)
+    shape = (
+        f"tree {tree.depth},{tree.top_k},{tree.total_tokens}"
+        if tree
+        else f"k={args.k}"
+        if args.k
+        else "tuned"
+    )
+    result = {"draft": str(args.draft), "shape": shape, "lookup": args.lookup, "engine": args.engine}
+    result |= {"q4": args.q4, "dtype": args.dtype} | stats_of(gen)
+    if plain is not None:
+        base = plain.generate([ids], args.max_new_tokens, stop_ids=eos)
+        a, b = base.tokens[0], gen.tokens[0]
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        plain_tok_s = base.new_tokens / base.seconds
+        result |= {
+            "identical_to_plain": a == b,
+            "first_difference": None if a == b else first,
+            "plain_tokens_per_s": round(plain_tok_s, 2),
+            "speedup": round(gen.new_tokens / gen.seconds / plain_tok_s, 2),
+        }
+    print("\n" + json.dumps(result), flush=True)
+    if args.check and not result["identical_to_plain"]:
+        return 1
+    return result
+
+
+if __name__ == "__main__":
+    run_cli(main)
