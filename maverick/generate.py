@@ -2,6 +2,8 @@
 
     python -m maverick.generate --prompt "Write a haiku about CPUs" --chat
 
+(The same prompt decoded speculatively with an EAGLE-3 draft: `python -m eagle3.generate`.)
+
 Prompts of different lengths share one batch: they are right-padded for the prefill, then each row's
 cache length is set to its own prompt length, so every row continues from its own position (no left
 padding, no position shifts).
