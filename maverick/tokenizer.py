@@ -61,8 +61,8 @@ def _load_tokenizer_cached(path: str):
             f"the HF directory {p} has no tokenizer files (tokenizer.json / tokenizer_config.json); "
             "save them with tokenizer.save_pretrained there, or name a tokenizer separately"
         )
-    if not p.is_dir():
-        read_metadata(p)  # a file that is not GGUF: our loader's error, which says what is wrong with it
+    # a file that is not GGUF: our loader's error, which says what is wrong with it (before transformers')
+    eos_id = None if p.is_dir() else gguf_eos_id(p)
     try:
         if p.is_dir():
             tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True, trust_remote_code=False)
@@ -73,7 +73,7 @@ def _load_tokenizer_cached(path: str):
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(f"the {what} {p} carries no chat template (tokenizer.chat_template)")
     if not p.is_dir():
-        set_eos(tokenizer, gguf_eos_id(p))
+        set_eos(tokenizer, eos_id)
     if tokenizer.eos_token_id is None:
         raise UserError(f"the {what} {p} defines no eos token")
     return tokenizer
