@@ -46,6 +46,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -73,7 +74,14 @@ from eval.report import (
     variant,
     write_report,
 )
-from maverick.cli import UserError, add_threads_option, nonnegative_int, positive_int, run_cli
+from maverick.cli import (
+    INTERRUPTED_STATUS,
+    UserError,
+    add_threads_option,
+    nonnegative_int,
+    positive_int,
+    run_cli,
+)
 from maverick.generate import Decoder
 from maverick.sampling import SamplingParams, add_sampling_options
 from maverick.target import TARGET_HELP, load_hf_reference, load_target, load_target_tokenizer
@@ -489,8 +497,60 @@ def main(argv=None) -> int:
     records: list[RunRecord] = []
     cut: list[str] = []  # prompt turns cut to --max-prompt-tokens (--long-prompts truncate)
     bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", file=sys.stderr)
+    try:  # a prompt's records join `records` once every method has run it
+        for prompt_records in prompt_runs(prompts, methods, runners, args, tok, eos, gen, cut, bar):
+            records.extend(prompt_records)
+    except KeyboardInterrupt:  # Ctrl-C: report the prompts every method finished, so nothing done is lost
+        if not records:
+            raise
+        finished = len({r.prompt_id for r in records})
+        config["interrupted_after_prompts"] = finished
+        print(
+            f"\ninterrupted: the report keeps the {finished} prompts every method finished", file=sys.stderr
+        )
+    bar.close()
+
+    greedy = sampling_params(args).greedy  # sampled outputs differ by design: checked in distribution instead
+    summaries = summarise(records, baseline="ours-plain", hf_baseline="hf-generate", compare_outputs=greedy)
+    for m, r in runners.items():
+        if (
+            m.removesuffix(variant(m)).removesuffix(STORE_SUFFIX).removesuffix(LOOKUP_SUFFIX)
+            == "eagle3-tuned"
+        ):
+            config["tuner" + m.removeprefix("eagle3-tuned")] = _jsonable(r.dec.policy.summary())
+    checks = []
+    interrupted = "interrupted_after_prompts" in config
+    if not greedy and args.dist_samples > 0 and not interrupted:
+        checks = distribution_checks(args, methods, prompts, tok, targets, draft)
+        config["distribution_check"] = [asdict(c) | {"passed": c.passed} for c in checks]
+    config["truncated_turns"] = len(cut)
+    paths = write_report(records, summaries, config, out_dir)
+    n_prompts = len({r.prompt_id for r in records})
+    print(f"\ntarget {Path(gguf).name}, dtype {args.dtype}, {n_prompts} prompts x {args.turns} turns, "
+          f"max_new_tokens {args.max_new_tokens}, temperature {args.temperature}")  # fmt: skip
+    ok = print_table(summaries, compact=True)
+    if cut:
+        print(f"{len(cut)} prompt turns were cut to their last {args.max_prompt_tokens} tokens (--long-prompts "
+              f"truncate), e.g. {cut[0]}")  # fmt: skip
+    for c in checks:
+        verdict = "ok" if c.passed else f"{BOLD_RED}FAIL{RESET}"
+        print(f"distribution check {c.method} prompt {c.prompt_id}: TV of the 2nd token {c.tv:.3f} "
+              f"(bound {c.bound:.3f}, {c.samples} samples, {c.buckets} buckets): {verdict}")  # fmt: skip
+        ok = ok and c.passed
+    print(f"report (every column): {paths['json']}  {paths['markdown']}")
+    print(f"plots: {paths['speedup']}  {paths['acceptance']}  {paths['draft_length']}")
+    print(json.dumps({s.method: {"tok_s": round(s.tokens_per_s, 2), "tau": s.tau} for s in summaries}))
+    if interrupted:
+        return INTERRUPTED_STATUS
+    return 0 if ok else 1
+
+
+def prompt_runs(prompts, methods, runners, args, tok, eos, gen, cut, bar) -> Iterator[list[RunRecord]]:
+    """Every method on every prompt's turns (each turn after that method's own earlier answers), the methods
+    in a rotating order prompt by prompt; yields each prompt's RunRecords (one per method and turn)."""
     for i, prompt in enumerate(prompts):
         order = methods[i % len(methods) :] + methods[: i % len(methods)]
+        records = []
         for m in order:
             answers: list[str] = []
             for turn in range(min(args.turns, len(prompt["turns"]))):
@@ -518,37 +578,7 @@ def main(argv=None) -> int:
                     )
                 )
             bar.update(1)
-    bar.close()
-
-    greedy = sampling_params(args).greedy  # sampled outputs differ by design: checked in distribution instead
-    summaries = summarise(records, baseline="ours-plain", hf_baseline="hf-generate", compare_outputs=greedy)
-    for m, r in runners.items():
-        if (
-            m.removesuffix(variant(m)).removesuffix(STORE_SUFFIX).removesuffix(LOOKUP_SUFFIX)
-            == "eagle3-tuned"
-        ):
-            config["tuner" + m.removeprefix("eagle3-tuned")] = _jsonable(r.dec.policy.summary())
-    checks = []
-    if not greedy and args.dist_samples > 0:
-        checks = distribution_checks(args, methods, prompts, tok, targets, draft)
-        config["distribution_check"] = [asdict(c) | {"passed": c.passed} for c in checks]
-    config["truncated_turns"] = len(cut)
-    paths = write_report(records, summaries, config, out_dir)
-    print(f"\ntarget {Path(gguf).name}, dtype {args.dtype}, {len(prompts)} prompts x {args.turns} turns, "
-          f"max_new_tokens {args.max_new_tokens}, temperature {args.temperature}")  # fmt: skip
-    ok = print_table(summaries, compact=True)
-    if cut:
-        print(f"{len(cut)} prompt turns were cut to their last {args.max_prompt_tokens} tokens (--long-prompts "
-              f"truncate), e.g. {cut[0]}")  # fmt: skip
-    for c in checks:
-        verdict = "ok" if c.passed else f"{BOLD_RED}FAIL{RESET}"
-        print(f"distribution check {c.method} prompt {c.prompt_id}: TV of the 2nd token {c.tv:.3f} "
-              f"(bound {c.bound:.3f}, {c.samples} samples, {c.buckets} buckets): {verdict}")  # fmt: skip
-        ok = ok and c.passed
-    print(f"report (every column): {paths['json']}  {paths['markdown']}")
-    print(f"plots: {paths['speedup']}  {paths['acceptance']}  {paths['draft_length']}")
-    print(json.dumps({s.method: {"tok_s": round(s.tokens_per_s, 2), "tau": s.tau} for s in summaries}))
-    return 0 if ok else 1
+        yield records
 
 
 def sampling_params(args) -> SamplingParams:

@@ -632,3 +632,43 @@ def test_a_training_runs_out_directory_names_its_draft(tmp_path):
         FileNotFoundError, match=rf"{tmp_path}: no draft \(config.json\) there or in {tmp_path}/draft"
     ):
         load_draft(tmp_path)
+
+
+def test_an_interrupted_bench_reports_the_prompts_every_method_finished(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during `eval.bench`: the report keeps the prompts that every method ran (the same prompts for
+    every method, so the ratios stay fair), says so, and the command ends with status 130."""
+    from eval import bench
+
+    calls = {"n": 0}
+    run = bench.Runner.run
+
+    def run_until_ctrl_c(self, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2 + 2 * 2 + 1:  # warm-up (2 methods), prompts 1 and 2, then the 3rd prompt's first
+            raise KeyboardInterrupt
+        return run(self, *a, **kw)
+
+    monkeypatch.setattr(bench.Runner, "run", run_until_ctrl_c)
+    out = tmp_path / "r"
+    argv = [
+        "--n",
+        "3",
+        "--turns",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--methods",
+        "ours-plain,eagle3-k3",
+        "--out",
+        str(out),
+    ]
+    assert bench.main(argv) == 130
+    report = json.loads((out / "report.json").read_text())
+    assert report["config"]["interrupted_after_prompts"] == 2
+    runs = sorted((r["method"], r["prompt_id"]) for r in report["records"])
+    assert (
+        len(runs) == 4
+        and len({p for _, p in runs}) == 2
+        and {m for m, _ in runs} == {"ours-plain", "eagle3-k3"}
+    )
+    assert "interrupted: the report keeps the 2 prompts every method finished" in capsys.readouterr().err
