@@ -423,6 +423,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dist-prompts", type=positive_int, default=2, help="prompts in the distribution check")
     add_threads_option(ap)
     ap.add_argument("--out", default=None, help="report directory (default results/bench-<time>)")
+    ap.add_argument("--overwrite", action="store_true", help="replace the report an --out already holds")
     ap.add_argument("--preset", choices=list(PRESETS), default="full",
                     help="quick: 3 questions, 7 methods (make bench, ~2 min on 2 cores); full: the defaults above "
                          "(make bench-full, ~20 min); engine: eager vs compiled engines and llama.cpp "
@@ -443,6 +444,8 @@ def main(argv=None) -> int:
     dtype = DTYPES[args.dtype]
     gguf = args.gguf = args.gguf or str(default_gguf_path())
     out_dir = Path(args.out or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    if (out_dir / "report.json").exists() and not args.overwrite:
+        raise UserError(f"{out_dir} holds the report of an earlier run: give another --out, or --overwrite")
     config = {k: v for k, v in vars(args).items()} | {"methods": methods, "gguf": gguf}
     config |= {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": "cpu"}
     if any(m.startswith("eagle3-tree") for m in methods):

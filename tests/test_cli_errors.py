@@ -672,3 +672,26 @@ def test_an_interrupted_bench_reports_the_prompts_every_method_finished(tmp_path
         and {m for m, _ in runs} == {"ours-plain", "eagle3-k3"}
     )
     assert "interrupted: the report keeps the 2 prompts every method finished" in capsys.readouterr().err
+
+
+def test_bench_keeps_an_earlier_report_unless_told_to_overwrite(tmp_path, capsys):
+    from eval import bench
+
+    (tmp_path / "report.json").write_text("{}")
+    argv = [
+        "--n",
+        "1",
+        "--turns",
+        "1",
+        "--max-new-tokens",
+        "2",
+        "--methods",
+        "ours-plain",
+        "--out",
+        str(tmp_path),
+    ]
+    code, err = exit_status(bench.main, argv, capsys)
+    assert code == 2 and f"{tmp_path} holds the report of an earlier run" in err
+    assert (tmp_path / "report.json").read_text() == "{}"
+    assert bench.main([*argv, "--overwrite"]) == 0  # the control
+    assert json.loads((tmp_path / "report.json").read_text())["config"]["n"] == 1
