@@ -153,7 +153,12 @@ def load_or_build(
     try:
         # no_grad for both: inductor freezes weights only when gradients are off; a copy of the options,
         # which the call adds to
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            # torch's own deep copy of the graph trips typing_extensions' deprecation of LeafSpec (torch 2.13):
+            # printed twice per build, nothing for a user to act on
+            warnings.filterwarnings(
+                "ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning
+            )
             program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
             torch._inductor.aoti_compile_and_package(
                 program, package_path=str(tmp), inductor_configs=dict(options)
