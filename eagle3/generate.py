@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def shape_name(tree: TreeConfig | None, k: int | None) -> str:
+    if tree is not None:
+        return f"tree {tree.depth},{tree.top_k},{tree.total_tokens}"
+    return f"k={k}" if k else "tuned"
+
+
 def stats_of(gen: Generation) -> dict[str, Any]:
     """What a researcher reads off one speculative generation: speed, tau, the draft's share, draft lengths."""
     s = gen.stats["spec"]
@@ -119,9 +125,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tree = args.tree.for_sampling(sampling) if args.tree is not None else None
     room = max(128, (tree.total_tokens if tree else 0) + 32)  # slots past the answer for drafted tokens
     max_len = len(ids) + args.max_new_tokens + room
-    model = for_engine(
-        target, args.engine, max_len, draft.config.feature_layers
-    )  # shared by --check's decoder
+    # the engine the speculative decoder and --check's plain decoder share
+    model = for_engine(target, args.engine, max_len, draft.config.feature_layers)
     if args.engine == "compiled":
         secs = model.compile()
         print(json.dumps({"compile_s": round(sum(secs.values()), 1), "buckets": list(secs)}), flush=True)
@@ -154,15 +159,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         spec.generate([ids], 8, stop_ids=())
     rng = torch.Generator().manual_seed(args.seed)
     gen = spec.generate([ids], args.max_new_tokens, sampling, eos, rng, on_output=stream)
-    shape = (
-        f"tree {tree.depth},{tree.top_k},{tree.total_tokens}"
-        if tree
-        else f"k={args.k}"
-        if args.k
-        else "tuned"
-    )
-    result = {"draft": str(args.draft), "shape": shape, "lookup": args.lookup, "engine": args.engine}
-    result |= {"q4": args.q4, "dtype": args.dtype} | stats_of(gen)
+    result = {"draft": str(args.draft), "shape": shape_name(tree, args.k), "lookup": args.lookup}
+    result |= {"engine": args.engine, "q4": args.q4, "dtype": args.dtype} | stats_of(gen)
     if plain is not None:
         base = plain.generate([ids], args.max_new_tokens, stop_ids=eos)
         a, b = base.tokens[0], gen.tokens[0]
