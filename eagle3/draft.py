@@ -178,6 +178,8 @@ class DraftConfig:
         return cls(**kw, extra=extra)
 
 
+# the draft shipped for the SmolLM2 target: every command's default --draft
+DEFAULT_DRAFT = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-instruct"
 VLLM_AUX_KEY = "eagle_aux_hidden_state_layer_ids"
 # config.json fields that are counts (checked before they size anything)
 _COUNTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",

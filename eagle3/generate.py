@@ -19,12 +19,11 @@ import argparse
 import json
 import sys
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from eagle3.draft import check_draft_fits, load_draft
+from eagle3.draft import DEFAULT_DRAFT, check_draft_fits, load_draft
 from eagle3.lookup import LookupConfig
 from eagle3.spec import SpecDecoder, TreeConfig
 from eagle3.tuner import DraftLengthTuner, FixedK
@@ -35,9 +34,7 @@ from maverick.sampling import SamplingParams, add_sampling_options
 from maverick.target import TARGET_HELP, load_target, load_target_tokenizer
 from maverick.tokenizer import encode_chat
 
-DEFAULT_DRAFT = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-instruct"
-# the tuner's draft lengths and prompt lookup's copy lengths: eval.bench's eagle3-tuned(+lookup)
-TUNED_CHOICES = range(1, 9)
+# prompt lookup's copy lengths: eval.bench's eagle3-tuned+lookup (the tuner's default lengths are its too)
 LOOKUP = LookupConfig(max_tokens=10, streak_tokens=20)
 
 
@@ -130,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.engine == "compiled":
         secs = model.compile()
         print(json.dumps({"compile_s": round(sum(secs.values()), 1), "buckets": list(secs)}), flush=True)
-    policy = None if tree else FixedK(args.k) if args.k else DraftLengthTuner(choices=TUNED_CHOICES)
+    policy = None if tree else FixedK(args.k) if args.k else DraftLengthTuner()
     spec = SpecDecoder(
         model,
         draft,

@@ -54,7 +54,7 @@ import torch
 from tqdm import tqdm
 
 from eagle3.datastore import Datastore, beside_draft
-from eagle3.draft import load_draft
+from eagle3.draft import DEFAULT_DRAFT, load_draft
 from eagle3.lookup import LookupConfig
 from eagle3.spec import SpecDecoder, TreeConfig
 from eagle3.tuner import DraftLengthTuner, FixedK
@@ -87,7 +87,6 @@ from maverick.sampling import SamplingParams, add_sampling_options
 from maverick.target import TARGET_HELP, load_hf_reference, load_target, load_target_tokenizer
 from maverick.tokenizer import default_gguf_path, encode_chat
 
-DEFAULT_DRAFT = Path(__file__).resolve().parent.parent / "eagle3" / "drafts" / "smollm2-135m-instruct"
 ALL_METHODS = [
     "hf-generate",
     "hf-prompt-lookup",
@@ -212,7 +211,7 @@ def check_method_names(methods: list[str]) -> None:
 
 def check_datastore_option(args, methods: list[str]) -> None:
     """The datastore of the `+store` methods exists, and a --datastore given is read by one of them."""
-    store = [m for m in methods if m.removesuffix(variant(m)).endswith("+store")]
+    store = [m for m in methods if m.removesuffix(variant(m)).endswith(STORE_SUFFIX)]
     if args.datastore and not store:
         raise UserError(
             "--datastore is read by methods named <method>+lookup+store only; none of --methods is"
