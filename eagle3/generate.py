@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections import Counter
 from typing import Any
 
@@ -29,7 +28,7 @@ from eagle3.spec import SpecDecoder, TreeConfig
 from eagle3.tuner import DraftLengthTuner, FixedK
 from maverick.cli import UserError, add_threads_option, positive_int, positive_int_list, run_cli
 from maverick.compiled import for_engine
-from maverick.generate import Decoder, Generation, check_lengths
+from maverick.generate import Decoder, Generation, TextStream, check_lengths
 from maverick.sampling import SamplingParams, add_sampling_options
 from maverick.target import TARGET_HELP, load_target, load_target_tokenizer
 from maverick.tokenizer import encode_chat
@@ -139,23 +138,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engine=args.engine,
     )
     eos = target.config.eos_ids
-    emitted: list[int] = []
-    shown = ""
-
-    def stream(rows: list[list[int]]) -> None:
-        nonlocal shown
-        emitted.extend(rows[0])
-        text = tok.decode(emitted, skip_special_tokens=True)
-        sys.stdout.write(text[len(shown) :])
-        sys.stdout.flush()
-        shown = text
+    stream = TextStream(tok)
 
     plain = Decoder(model, max_len=max_len) if args.check else None
     if plain is not None:  # both warmed up alike, so that the speeds compare
         plain.generate([ids], 8, stop_ids=())
         spec.generate([ids], 8, stop_ids=())
     rng = torch.Generator().manual_seed(args.seed)
-    gen = spec.generate([ids], args.max_new_tokens, sampling, eos, rng, on_output=stream)
+    gen = spec.generate(
+        [ids], args.max_new_tokens, sampling, eos, rng, on_output=lambda rows: stream.add(rows[0])
+    )
     result = {"draft": str(args.draft), "shape": shape_name(tree, args.k), "lookup": args.lookup}
     result |= {"engine": args.engine, "q4": args.q4, "dtype": args.dtype} | stats_of(gen)
     if plain is not None:

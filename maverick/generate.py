@@ -193,6 +193,24 @@ class Decoder:
         return Generation(out, [len(p) for p in prompts], time.perf_counter() - t0, ttft)
 
 
+class TextStream:
+    """Writes an answer to stdout as its tokens arrive: the tokens so far are decoded whole each time and only
+    the new end of the text is written (a token may change how the bytes before it decode)."""
+
+    def __init__(self, tokenizer, show: bool = True):
+        self.tokenizer, self.show = tokenizer, show
+        self.ids: list[int] = []
+        self.text = ""
+
+    def add(self, ids: Sequence[int]) -> None:
+        self.ids.extend(int(t) for t in ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if self.show:
+            sys.stdout.write(text[len(self.text) :])
+            sys.stdout.flush()
+        self.text = text
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     from maverick.parallel import init_from_env, load_model
     from maverick.target import TARGET_HELP, load_target_tokenizer
@@ -236,19 +254,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(json.dumps({"compile_s": round(sum(secs.values()), 1), "buckets": list(secs)}), flush=True)
     gen = torch.Generator().manual_seed(args.seed)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
-    printed: list[int] = []
-    shown = ""
-
-    def stream(t: Tensor) -> None:
-        nonlocal shown
-        printed.append(int(t[0]))
-        text = tok.decode(printed, skip_special_tokens=True)
-        if shard is None or shard.rank == 0:
-            sys.stdout.write(text[len(shown) :])
-        sys.stdout.flush()
-        shown = text
-
-    res = dec.generate([ids], args.max_new_tokens, sampling, model.config.eos_ids, gen, on_tokens=stream)
+    stream = TextStream(tok, show=shard is None or shard.rank == 0)
+    res = dec.generate(
+        [ids], args.max_new_tokens, sampling, model.config.eos_ids, gen, on_tokens=lambda t: stream.add(t[:1])
+    )
     n = res.new_tokens
     stats = {"new_tokens": n, "seconds": round(res.seconds, 3), "tokens_per_s": round(n / res.seconds, 2)}
     stats |= {
