@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from maverick.checkpoint import atomic_dir, check_state_dict
 from maverick.cli import UserError, read_utf8
-from maverick.config import Llama4Config
+from maverick.config import Llama4Config, check_numbers
 from maverick.kv_cache import KVCache, attention_mask
 from maverick.linear import Linear
 from maverick.model import MLP, RMSNorm, init_weights, rope_inv_freq
@@ -144,12 +144,8 @@ class DraftConfig:
         for key in ("hidden_size", "num_attention_heads", "vocab_size", "intermediate_size"):
             if key not in d:
                 raise UserError(f"{source}: missing field {key!r}")
-        for key in _COUNTS:
-            if d.get(key) is not None and not (type(d[key]) is int and d[key] >= 1):
-                raise UserError(f"{source}: {key} must be a positive integer, got {d[key]!r}")
-        for key in ("rms_norm_eps", "rope_theta"):
-            if key in d and not (type(d[key]) in (int, float) and d[key] > 0):
-                raise UserError(f"{source}: {key} must be a positive number, got {d[key]!r}")
+        check_numbers(d, counts=_COUNTS, where=source, allow_null=True)  # a null one is derived below
+        check_numbers(d, positives=("rms_norm_eps", "rope_theta"), where=source)
         if not isinstance(d.get("rope_scaling") or {}, dict):
             raise UserError(
                 f"{source}: rope_scaling must be a JSON object or null, got {d['rope_scaling']!r}"

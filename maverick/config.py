@@ -15,9 +15,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from maverick.cli import UserError
 
 
 def dense_llama_fields(num_layers: int) -> dict[str, Any]:
@@ -33,6 +36,26 @@ def dense_llama_fields(num_layers: int) -> dict[str, Any]:
         "use_qk_norm": False,
         "attn_temperature_tuning": False,
     }
+
+
+def check_numbers(
+    values: Mapping[str, Any],
+    counts: Iterable[str] = (),
+    positives: Iterable[str] = (),
+    where: str = "config.json",
+    allow_null: bool = False,
+) -> None:
+    """Config fields that size or scale a model, checked before any arithmetic: each of `counts` an int >= 1,
+    each of `positives` a number > 0. A field absent from `values` is not checked (its default applies), a
+    null one only when `allow_null` is False. Otherwise a UserError: '<where>: <field> must be ...'."""
+    for key in counts:
+        v = values.get(key)
+        if key in values and not (v is None and allow_null) and not (type(v) is int and v >= 1):
+            raise UserError(f"{where}: {key} must be a positive integer, got {v!r}")
+    for key in positives:
+        v = values.get(key)
+        if key in values and not (v is None and allow_null) and not (type(v) in (int, float) and v > 0):
+            raise UserError(f"{where}: {key} must be a positive number, got {v!r}")
 
 
 # fields that are counts; each must be an int >= 1
@@ -91,18 +114,11 @@ class Llama4Config:
 
     def _check_types(self) -> None:
         """Fields read from a config.json have the types they size things with (before any arithmetic)."""
-        for key in _COUNTS:
-            v = getattr(self, key)
-            if not (type(v) is int and v >= 1):
-                raise ValueError(f"invalid Llama4Config: {key} must be a positive integer, got {v!r}")
+        check_numbers(vars(self), _COUNTS, ("rms_norm_eps", "rope_theta"), "invalid Llama4Config")
         for key in ("num_local_experts", "interleave_moe_layer_step", "no_rope_layer_interval"):
             v = getattr(self, key)
             if not (type(v) is int and v >= 0):
                 raise ValueError(f"invalid Llama4Config: {key} must be an integer >= 0, got {v!r}")
-        for key in ("rms_norm_eps", "rope_theta"):
-            v = getattr(self, key)
-            if not (type(v) in (int, float) and v > 0):
-                raise ValueError(f"invalid Llama4Config: {key} must be a positive number, got {v!r}")
 
     def validate(self) -> None:
         def need(ok: bool, msg: str):

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from maverick.cli import UserError
-from maverick.config import Llama4Config, dense_llama_fields
+from maverick.config import Llama4Config, check_numbers, dense_llama_fields
 
 ARCHITECTURE = "LlamaForCausalLM"
 MODEL_TYPE = "llama"
@@ -102,15 +102,11 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Llama4Conf
     for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if k not in d:
             raise UserError(f"{source}: required field {k!r} is missing")
-    for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "max_position_embeddings"):  # fmt: skip
-        if d.get(k) is not None and not (type(d[k]) is int and d[k] >= 1):
-            raise UserError(f"{source}: {k} must be a positive integer, got {d[k]!r}")
+    counts = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "max_position_embeddings")  # fmt: skip
     rp = d.get("rope_parameters") or {}
-    for k, v in (("rms_norm_eps", d.get("rms_norm_eps")), ("rope_theta", d.get("rope_theta")),
-                 ("rope_parameters.rope_theta", rp.get("rope_theta") if isinstance(rp, dict) else None)):  # fmt: skip
-        if v is not None and not (type(v) in (int, float) and v > 0):
-            raise UserError(f"{source}: {k} must be a positive number, got {v!r}")
+    scales = {"rope_parameters.rope_theta": rp.get("rope_theta") if isinstance(rp, dict) else None}
+    check_numbers(d | scales, counts, ("rms_norm_eps", "rope_theta", *scales), source, allow_null=True)
     theta, scaling = _rope(d, source)
     L, nH = int(d["num_hidden_layers"]), int(d["num_attention_heads"])
     I = int(d["intermediate_size"])
