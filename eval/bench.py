@@ -527,7 +527,7 @@ def main(argv=None) -> int:
         config["distribution_check"] = [asdict(c) | {"passed": c.passed} for c in checks]
     config["truncated_turns"] = len(cut)
     paths = write_report(records, summaries, config, out_dir)
-    n_prompts = len({r.prompt_id for r in records})
+    n_prompts = config.get("interrupted_after_prompts", len(prompts))
     print(f"\ntarget {Path(gguf).name}, dtype {args.dtype}, {n_prompts} prompts x {args.turns} turns, "
           f"max_new_tokens {args.max_new_tokens}, temperature {args.temperature}")  # fmt: skip
     ok = print_table(summaries, compact=True)
