@@ -30,6 +30,15 @@ without a word is not that benchmark. `--long-prompts truncate` keeps the last -
 tokens instead (the start of the chat, system prompt included, is lost) and the report counts the
 cut turns (config.truncated_turns).
 
+Nothing finished is lost: each prompt's records (every method, every turn) are appended to
+<out>/records.jsonl as the prompt finishes. Ctrl-C writes the report of the finished prompts; `--resume`
+(the same command and --out) continues an interrupted or killed run from the first unfinished prompt,
+and with a larger --n extends a finished one. The settings must be those of the run it continues
+(refused otherwise, naming them); each prompt's methods ran in one process, side by side, so the ratios
+stay paired. Sampled runs draw from a generator seeded per prompt (--seed + the prompt's index), so a
+resumed run samples what an uninterrupted one would have; the tuners start afresh (config.tuner* covers
+the prompts this process ran).
+
 Output: the config first, a progress bar, then a compact table (accept@1-3); report.json (all records),
 report.md (every column) and plots in --out. `--preset quick` (make bench) runs 3 questions and the
 methods that tell the story in ~1.5 minutes on 2 cores; `--preset full` (the default; make bench-full) all
@@ -42,11 +51,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import os
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -69,6 +78,7 @@ from eval.report import (
     Q4_SUFFIX,
     RESET,
     RunRecord,
+    atomic_write_bytes,
     print_table,
     summarise,
     variant,
@@ -132,6 +142,10 @@ PRESETS = {
     "full": {"n": 10, "methods": ",".join(ALL_METHODS)},
     "engine": {"n": 3, "methods": ",".join(ENGINE_METHODS + LLAMA_CPP_METHODS)},
 }
+PROGRESS_FILE = "records.jsonl"  # in --out: a header with the settings, then a line per finished prompt
+# settings a resumed run may change: where and how it reports, and how many prompts it runs (a benchmark's
+# first --n: a larger --n extends a run); every other setting must be the run's own
+RESUME_FREE = ("out", "overwrite", "resume", "n", "preset", "dist_samples", "dist_prompts")
 LOOKUP_SUFFIX = "+lookup"
 STORE_SUFFIX = "+store"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -422,7 +436,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dist-prompts", type=positive_int, default=2, help="prompts in the distribution check")
     add_threads_option(ap)
     ap.add_argument("--out", default=None, help="report directory (default results/bench-<time>)")
-    ap.add_argument("--overwrite", action="store_true", help="replace the report an --out already holds")
+    again = ap.add_mutually_exclusive_group()
+    again.add_argument("--overwrite", action="store_true",
+                       help="start again in an --out that holds an earlier run (its records are deleted)")  # fmt: skip
+    again.add_argument("--resume", action="store_true",
+                       help=f"continue the run in --out from its {PROGRESS_FILE} (the same settings; a larger --n "
+                            "extends it)")  # fmt: skip
     ap.add_argument("--preset", choices=list(PRESETS), default="full",
                     help="quick: 3 questions, 7 methods (make bench, ~2 min on 2 cores); full: the defaults above "
                          "(make bench-full, ~20 min); engine: eager vs compiled engines and llama.cpp "
@@ -442,17 +461,27 @@ def main(argv=None) -> int:
         require(m)  # a UserError saying how to install llama-cpp-python, before any model loads
     dtype = DTYPES[args.dtype]
     gguf = args.gguf = args.gguf or str(default_gguf_path())
+    if args.resume and not args.out:
+        raise UserError("--resume continues the run in --out: give its --out")
     out_dir = Path(args.out or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
-    if (out_dir / "report.json").exists() and not args.overwrite:
-        raise UserError(f"{out_dir} holds the report of an earlier run: give another --out, or --overwrite")
     config = {k: v for k, v in vars(args).items()} | {"methods": methods, "gguf": gguf}
     config |= {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": "cpu"}
     if any(m.startswith("eagle3-tree") for m in methods):
         config["tree"] = asdict(tree_config(args))
+    earlier = (
+        read_progress(out_dir, config) if args.resume else check_out_dir(out_dir, args.overwrite)
+    )
     print(json.dumps(config), flush=True)
 
     tok = load_target_tokenizer(gguf)
     prompts = load_benchmark(args.bench, n=args.n, path=args.prompts)
+    done = finished_prompts(earlier, prompts, out_dir / PROGRESS_FILE)
+    if done:
+        config["resumed_prompts"] = len(done)
+        print(
+            f"resuming: {len(done)} of {len(prompts)} prompts finished in {out_dir / PROGRESS_FILE}",
+            flush=True,
+        )
     check_prompt_lengths(args, tok, prompts)
     target = load_target(gguf, dtype=dtype)
     context = target.config.max_position_embeddings
@@ -499,17 +528,28 @@ def main(argv=None) -> int:
     records: list[RunRecord] = []
     cut: list[str] = []  # prompt turns cut to --max-prompt-tokens (--long-prompts truncate)
     bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", file=sys.stderr)
-    try:  # a prompt's records join `records` once every method has run it
-        for prompt_records in prompt_runs(prompts, methods, runners, args, tok, eos, gen, cut, bar):
+    progress = out_dir / PROGRESS_FILE
+    try:  # a prompt's records join `records` (and the progress file) once every method has run it
+        for i, prompt in enumerate(prompts):
+            key = str(prompt["id"])
+            if key in done:
+                prompt_records, prompt_cut = done[key]
+                bar.update(len(methods))
+            else:
+                prompt_cut = []
+                prompt_records = run_prompt(i, prompt, methods, runners, args, tok, eos, prompt_cut, bar)
+                if not args.resume and not records:  # the run's first prompt: the file starts here
+                    start_progress(progress, config)
+                append_progress(progress, key, prompt, prompt_records, prompt_cut)
             records.extend(prompt_records)
+            cut.extend(prompt_cut)
     except KeyboardInterrupt:  # Ctrl-C: report the prompts every method finished, so nothing done is lost
         if not records:
             raise
         finished = len({r.prompt_id for r in records})
         config["interrupted_after_prompts"] = finished
-        print(
-            f"\ninterrupted: the report keeps the {finished} prompts every method finished", file=sys.stderr
-        )
+        print(f"\ninterrupted: the report keeps the {finished} prompts every method finished; the same "
+              "command with --resume continues the run", file=sys.stderr)  # fmt: skip
     bar.close()
 
     greedy = sampling_params(args).greedy  # sampled outputs differ by design: checked in distribution instead
@@ -547,40 +587,160 @@ def main(argv=None) -> int:
     return 0 if ok else 1
 
 
-def prompt_runs(prompts, methods, runners, args, tok, eos, gen, cut, bar) -> Iterator[list[RunRecord]]:
-    """Every method on every prompt's turns (each turn after that method's own earlier answers), the methods
-    in a rotating order prompt by prompt; yields each prompt's RunRecords (one per method and turn)."""
-    for i, prompt in enumerate(prompts):
-        order = methods[i % len(methods) :] + methods[: i % len(methods)]
-        records = []
-        for m in order:
-            answers: list[str] = []
-            for turn in range(min(args.turns, len(prompt["turns"]))):
-                where = f"{m}: prompt {prompt['id']} turn {turn + 1}"
-                ids = fit_prompt(build_prompts(tok, prompt, turn, answers), args, where, cut)
-                new, st = runners[m].run(ids, args.max_new_tokens, gen)
-                answers.append(tok.decode([t for t in new if t not in eos], skip_special_tokens=True))
-                records.append(
-                    RunRecord(
-                        method=m,
-                        prompt_id=str(prompt["id"]),
-                        turn=turn,
-                        new_tokens=len(new),
-                        seconds=st["seconds"],
-                        ttft=st["ttft"],
-                        cycles=st.get("cycles", 0),
-                        accepted=st.get("accepted", []),
-                        draft_lengths=st.get("draft_lengths", []),
-                        draft_seconds=st.get("draft_seconds", 0.0),
-                        verify_seconds=st.get("verify_seconds", 0.0),
-                        lookup_cycles=st.get("lookup_cycles", 0),
-                        peak_memory_mb=rss_mb(),
-                        output_ids=new,
-                        dtype=args.dtype,
-                    )
+def run_prompt(i, prompt, methods, runners, args, tok, eos, cut, bar) -> list[RunRecord]:
+    """Every method on the i-th prompt's turns (each turn after that method's own earlier answers), the methods
+    in an order rotated by i; the prompt's RunRecords (one per method and turn). Sampling draws from a
+    generator seeded with --seed + i, so a resumed run samples each prompt as an uninterrupted one would."""
+    order = methods[i % len(methods) :] + methods[: i % len(methods)]
+    gen = torch.Generator().manual_seed(args.seed + i)
+    records = []
+    for m in order:
+        answers: list[str] = []
+        for turn in range(min(args.turns, len(prompt["turns"]))):
+            where = f"{m}: prompt {prompt['id']} turn {turn + 1}"
+            ids = fit_prompt(build_prompts(tok, prompt, turn, answers), args, where, cut)
+            new, st = runners[m].run(ids, args.max_new_tokens, gen)
+            answers.append(tok.decode([t for t in new if t not in eos], skip_special_tokens=True))
+            records.append(
+                RunRecord(
+                    method=m,
+                    prompt_id=str(prompt["id"]),
+                    turn=turn,
+                    new_tokens=len(new),
+                    seconds=st["seconds"],
+                    ttft=st["ttft"],
+                    cycles=st.get("cycles", 0),
+                    accepted=st.get("accepted", []),
+                    draft_lengths=st.get("draft_lengths", []),
+                    draft_seconds=st.get("draft_seconds", 0.0),
+                    verify_seconds=st.get("verify_seconds", 0.0),
+                    lookup_cycles=st.get("lookup_cycles", 0),
+                    peak_memory_mb=rss_mb(),
+                    output_ids=new,
+                    dtype=args.dtype,
                 )
-            bar.update(1)
-        yield records
+            )
+        bar.update(1)
+    return records
+
+
+# ---- the progress file: nothing finished is lost, and --resume continues from it ----
+
+
+def _settings(config: dict) -> dict:
+    """The settings a resumed run must share with the run it continues (as JSON reads them back)."""
+    return json.loads(json.dumps({k: v for k, v in config.items() if k not in RESUME_FREE}, default=str))
+
+
+def _prompt_sha(prompt: dict) -> str:
+    return hashlib.sha256(json.dumps(prompt, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def check_out_dir(out_dir: Path, overwrite: bool) -> list[dict]:
+    """A new run: refuse an --out holding an earlier one unless --overwrite (its records go when this run's
+    first prompt is written, so a run refused or stopped before then changes nothing). Returns [] (no
+    finished prompts)."""
+    held = [p.name for p in (out_dir / PROGRESS_FILE, out_dir / "report.json") if p.exists()]
+    if held and not overwrite:
+        raise UserError(
+            f"{out_dir} holds an earlier run ({', '.join(held)}): --resume continues it, --overwrite starts "
+            "again, or give another --out"
+        )
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--out {out_dir} is a file; the report directory goes there")
+    return []
+
+
+def start_progress(path: Path, config: dict) -> None:
+    """The progress file's header with this run's settings (temporary name, rename), replacing an earlier
+    run's records and report (--overwrite)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    (path.parent / "report.json").unlink(missing_ok=True)
+    atomic_write_bytes(path, (json.dumps({"settings": _settings(config)}) + "\n").encode())
+
+
+def read_progress(out_dir: Path, config: dict) -> list[dict]:
+    """--resume: the finished prompts' lines of out_dir's progress file, after checking its settings are this
+    run's. A partial last line (a run killed mid-write) is cut off once every whole line has been read."""
+    path = out_dir / PROGRESS_FILE
+    if not path.exists():
+        held = (
+            " (its report.json was written by a version without one)"
+            if (out_dir / "report.json").exists()
+            else ""
+        )
+        raise UserError(f"--resume: {path} does not exist{held}; run without --resume to start")
+    data = path.read_bytes()
+    keep = data[: data.rfind(b"\n") + 1]
+    lines = []
+    for n, line in enumerate(keep.splitlines(), 1):
+        try:
+            lines.append(json.loads(line))
+            ok = (
+                "settings" in lines[-1]
+                if n == 1
+                else {"prompt_id", "prompt_sha", "records"} <= set(lines[-1])
+            )
+        except (ValueError, TypeError):
+            ok = False
+        if not ok:
+            raise UserError(
+                f"{path}: line {n} is not a line of eval.bench's progress file; give another --out"
+            )
+    if not lines:
+        raise UserError(
+            f"{path}: no settings line; run without --resume (and with --overwrite) to start again"
+        )
+    was, now = lines[0]["settings"], _settings(config)
+    diff = {k: (was.get(k), now.get(k)) for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)}
+    if diff:
+        shown = "; ".join(f"{k}: {a!r} then, {b!r} now" for k, (a, b) in diff.items())
+        raise UserError(f"{path}: cannot resume with different settings ({shown})")
+    if len(keep) != len(data):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(keep)
+        os.replace(tmp, path)
+    return lines[1:]
+
+
+def finished_prompts(
+    lines: list[dict], prompts: list[dict], path: Path
+) -> dict[str, tuple[list[RunRecord], list[str]]]:
+    """The records and cut turns of the finished prompts by prompt id, each checked to be one of this run's
+    prompts (the same text: the progress file keeps a digest of each)."""
+    shas = {str(p["id"]): _prompt_sha(p) for p in prompts}
+    done = {}
+    for line in lines:
+        key = line["prompt_id"]
+        if key not in shas:
+            raise UserError(
+                f"{path}: prompt {key} was run but is not among this run's {len(prompts)} prompts (a smaller "
+                "--n, or another prompts file?)"
+            )
+        if line["prompt_sha"] != shas[key]:
+            raise UserError(
+                f"{path}: prompt {key} has another text than when it was run (the prompts file changed?)"
+            )
+        try:
+            done[key] = [RunRecord.from_dict(r) for r in line["records"]], list(line.get("cut", []))
+        except (ValueError, TypeError) as e:
+            raise UserError(f"{path}: prompt {key}: {e}") from None
+    return done
+
+
+def append_progress(path: Path, key: str, prompt: dict, records: list[RunRecord], cut: list[str]) -> None:
+    """One finished prompt's records (and its turns cut by --long-prompts truncate) as one line, flushed to
+    disk before the next prompt starts."""
+    line = {
+        "prompt_id": key,
+        "prompt_sha": _prompt_sha(prompt),
+        "records": [asdict(r) for r in records],
+        "cut": cut,
+    }
+    with path.open("a") as f:
+        f.write(json.dumps(line, separators=(",", ":")) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def sampling_params(args) -> SamplingParams:
