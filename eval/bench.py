@@ -468,9 +468,7 @@ def main(argv=None) -> int:
     config |= {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": "cpu"}
     if any(m.startswith("eagle3-tree") for m in methods):
         config["tree"] = asdict(tree_config(args))
-    earlier = (
-        read_progress(out_dir, config) if args.resume else check_out_dir(out_dir, args.overwrite)
-    )
+    earlier = read_progress(out_dir, config) if args.resume else check_out_dir(out_dir, args.overwrite)
     print(json.dumps(config), flush=True)
 
     tok = load_target_tokenizer(gguf)
