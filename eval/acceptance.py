@@ -22,7 +22,7 @@ from torch import Tensor
 
 from eagle3.draft import check_draft_fits, load_draft
 from eval.prompts import BENCHMARKS, check_prompts_option, load_benchmark
-from maverick.cli import UserError, add_threads_option, positive_int, run_cli
+from maverick.cli import UserError, add_threads_option, output_file, positive_int, run_cli
 from maverick.target import TARGET_HELP, load_target, load_target_tokenizer
 from maverick.tokenizer import encode_chat
 from train.acceptance import (
@@ -49,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--target", "--gguf", dest="target", default=None, help=TARGET_HELP)
     add_threads_option(ap)
-    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    ap.add_argument("--out", type=output_file, default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     check_prompts_option(args.bench, args.prompts)
     if args.max_new_tokens <= args.steps:
@@ -57,8 +57,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f"--max-new-tokens {args.max_new_tokens} scores no position with --steps {args.steps}: an answer "
             f"of N tokens has N - {args.steps} positions; give more than {args.steps}"
         )
-    if args.out is not None and args.out.is_dir():
-        raise UserError(f"--out {args.out} is a directory; give the JSON file's name")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32

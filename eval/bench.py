@@ -89,6 +89,7 @@ from maverick.cli import (
     UserError,
     add_threads_option,
     nonnegative_int,
+    output_dir,
     positive_int,
     run_cli,
 )
@@ -435,7 +436,9 @@ def main(argv=None) -> int:
                          "token (0: skip; see eval/distcheck.py)")  # fmt: skip
     ap.add_argument("--dist-prompts", type=positive_int, default=2, help="prompts in the distribution check")
     add_threads_option(ap)
-    ap.add_argument("--out", default=None, help="report directory (default results/bench-<time>)")
+    ap.add_argument(
+        "--out", type=output_dir, default=None, help="report directory (default results/bench-<time>)"
+    )
     again = ap.add_mutually_exclusive_group()
     again.add_argument("--overwrite", action="store_true",
                        help="start again in an --out that holds an earlier run (its records are deleted)")  # fmt: skip

@@ -24,7 +24,8 @@ from eagle3.spec import SpecDecoder
 from eagle3.tuner import DraftLengthTuner
 from eval.bench import DEFAULT_DRAFT
 from eval.prompts import BENCHMARKS, load_benchmark
-from maverick.cli import UserError, add_threads_option, positive_int, positive_int_list, run_cli
+from eval.report import atomic_write_bytes
+from maverick.cli import UserError, add_threads_option, output_dir, positive_int, positive_int_list, run_cli
 from maverick.compiled import CompiledTarget
 from maverick.generate import Decoder
 from maverick.target import TARGET_HELP, default_target_path, load_target, load_target_tokenizer
@@ -151,12 +152,16 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-draft", action="store_true", help="compile the eager engine's draft too")
     ap.add_argument("--profile", action="store_true", help="profile 20 compiled decode steps (top ops)")
     add_threads_option(ap)
-    ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--out", type=output_dir, default=None, help="result directory (default results/engine-<time>)"
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     gguf = str(args.target or default_target_path())
     config = vars(args) | {"gguf": gguf, "torch": torch.__version__, "threads": torch.get_num_threads()}
+    out = Path(args.out or f"results/engine-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)  # before the minutes of work whose result goes there
     print(json.dumps(config), flush=True)
 
     tok = load_target_tokenizer(gguf)
@@ -208,9 +213,7 @@ def main(argv=None) -> int:
 
     if args.profile:
         result["profile"] = profile_steps(engine, prompts[0])
-    out = Path(args.out or f"results/engine-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "engine.json").write_text(json.dumps(result, indent=1))
+    atomic_write_bytes(out / "engine.json", json.dumps(result, indent=1).encode())
     print(f"\n{'method':32s} {'tok/s':>8s} {'x eager':>8s} {'TTFT s':>7s} {'draft %':>8s} mismatches")
     for m, r in summary.items():
         mm = next(

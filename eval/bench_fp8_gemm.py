@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from maverick.cli import (
+    output_file,
     positive_int,
     run_cli,
 )
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=positive_int, nargs="+", default=[1, 8, 64, 512, 4096])
     p.add_argument("--iters", type=positive_int, default=50)
-    p.add_argument("--out", type=Path, default=Path("eval/results/bench_fp8_gemm.json"))
+    p.add_argument("--out", type=output_file, default=Path("eval/results/bench_fp8_gemm.json"))
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available() and scaled_mm_supported("cuda")
     config = {

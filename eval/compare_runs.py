@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from maverick.cli import (
+    output_file,
     positive_int,
     run_cli,
 )
@@ -76,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", help="train.fit output directories (or their train_log.jsonl)")
     ap.add_argument("--window", type=positive_int, default=10)
-    ap.add_argument("--out", type=Path, default=None, help="PNG of the curves")
+    ap.add_argument("--out", type=output_file, default=None, help="PNG of the curves")
     args = ap.parse_args(argv)
     logs = {str(r): read_log(r) for r in args.runs}
     rows = windows(logs, args.window)

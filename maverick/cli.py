@@ -198,6 +198,20 @@ def device(text: str) -> str:
     return text
 
 
+def output_dir(text: str) -> str:
+    """argparse type: an output directory (it may not exist yet; a file there is refused before any work)."""
+    if Path(text).exists() and not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file; an output directory goes there")
+    return text
+
+
+def output_file(text: str) -> Path:
+    """argparse type: an output file (a directory there is refused before any work)."""
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give the file's name")
+    return Path(text)
+
+
 def add_threads_option(parser: argparse.ArgumentParser) -> None:
     """`--threads N` (N >= 1): torch's CPU threads; the entry point calls `torch.set_num_threads` with it."""
     parser.add_argument(

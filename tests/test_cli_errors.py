@@ -535,29 +535,59 @@ def test_regenerate_refuses_an_out_file_it_did_not_write_and_leaves_it_untouched
     assert regenerate._read_done(ours) == {"a"} and ours.read_text() == '{"id": "a", "messages": []}\n'
 
 
-def test_an_output_directory_where_a_file_is_is_one_line(tmp_path, capsys):
-    from train import fit
+DIR_OUTS = ["train.dump", "train.fit", "train.stage", "eval.bench", "eval.bench_engine"]
+FILE_OUTS = ["train.regenerate", "train.datastore", "train.stage_data", "eval.acceptance", "eval.bench_fp8_gemm",
+             "eval.compare_runs"]  # fmt: skip
 
+
+@pytest.mark.parametrize("module", DIR_OUTS + FILE_OUTS)
+def test_an_output_path_of_the_wrong_kind_is_refused_while_parsing(module, tmp_path, capsys, monkeypatch):
+    """A file where an output directory goes, or a directory where an output file goes: refused by the
+    parser, before any data or model is read (train.fit read all of ShareGPT first, eval.bench_engine ran
+    its whole benchmark before failing to write it)."""
+    import importlib
+
+    main = importlib.import_module(module).main
     f = tmp_path / "taken"
     f.write_text("x")
-    code, err = exit_status(fit.main, ["--online", "--out", str(f), "--steps", "1", "--cpu"], capsys)
-    assert (
-        code == 2 and err == f"error: {f}: is a file; an output directory goes there (give another --out)\n"
-    )
+    taken, says = (f, "is a file; an output directory goes there") if module in DIR_OUTS else (
+        tmp_path, "is a directory; give the file's name")  # fmt: skip
+    code, err = exit_status(main, ["--out", str(taken)], capsys)
+    assert code == 2 and f"argument --out: {taken} {says}" in err
     assert f.read_text() == "x"
 
 
-def test_output_files_where_a_directory_is_and_answers_too_short_to_score(tmp_path, capsys):
+def test_every_output_option_checks_its_kind(monkeypatch):
+    """Each entry point's --out takes maverick.cli's output_dir or output_file type (the list above is all
+    of them)."""
+    from maverick.cli import output_dir, output_file
+
+    found = {}
+    for module in ENTRY_POINTS:
+        for action in entry_point_parser(module, monkeypatch)._actions:
+            if "--out" in action.option_strings:
+                found[module] = action.type
+    assert {m for m, t in found.items() if t is output_dir} == set(DIR_OUTS)
+    assert {m for m, t in found.items() if t is output_file} == set(FILE_OUTS)
+    assert set(found) - set(DIR_OUTS) - set(FILE_OUTS) == set()
+
+
+def test_fit_refuses_a_file_as_out_before_reading_data(tmp_path):
+    from train.fit import FitConfig, check_out
+
+    f = tmp_path / "taken"
+    f.write_text("x")
+    with pytest.raises(UserError, match="is a file; an output directory goes there"):
+        check_out(FitConfig(out=str(f), online=True))
+    assert check_out(FitConfig(out=str(tmp_path / "new"), online=True)) == []  # the control
+
+
+def test_answers_too_short_to_score_are_refused(capsys):
     from eval import acceptance
-    from train import stage_data
 
     draft = str(ROOT / "eagle3/drafts/smollm2-135m-instruct")
     code, err = exit_status(acceptance.main, ["--draft", draft, "--max-new-tokens", "5"], capsys)
     assert code == 2 and "--max-new-tokens 5 scores no position with --steps 5" in err
-    code, err = exit_status(acceptance.main, ["--draft", draft, "--out", str(tmp_path)], capsys)
-    assert code == 2 and f"--out {tmp_path} is a directory" in err
-    code, err = exit_status(stage_data.main, ["--out", str(tmp_path)], capsys)
-    assert code == 2 and f"--out {tmp_path} is a directory" in err
 
 
 def test_ctrl_c_is_one_line_and_status_130(capsys, monkeypatch):

@@ -24,6 +24,7 @@ from maverick.cli import (
     UserError,
     heldout_fraction,
     nonnegative_int,
+    output_file,
     positive_int,
     positive_int_list,
     run_cli,
@@ -62,7 +63,7 @@ def assistant_runs(tokenizer, conversations, max_length: int = 4096) -> list[lis
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True, help="JSON/JSONL chat files, comma-separated")
-    p.add_argument("--out", required=True, help="the .safetensors file to write")
+    p.add_argument("--out", required=True, type=output_file, help="the .safetensors file to write")
     p.add_argument("--tokenizer", default=None, help="GGUF file with the tokenizer (default: SmolLM2's)")
     p.add_argument(
         "--sizes",

@@ -58,6 +58,7 @@ from maverick.cli import (
     add_threads_option,
     device,
     int_list,
+    output_dir,
     positive_int,
     run_cli,
 )
@@ -597,7 +598,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the target over chat data and store EAGLE-3 training inputs (features, final "
         "hidden states, argmax) as resumable safetensors shards, plus the draft vocabulary.",
     )
-    p.add_argument("--out", required=True, help="dump directory (rerun the same command to resume)")
+    p.add_argument(
+        "--out", required=True, type=output_dir, help="dump directory (rerun the same command to resume)"
+    )
     p.add_argument("--target", default=None, help=TARGET_HELP)
     p.add_argument("--target-dtype", default="bf16", choices=sorted(TARGET_DTYPES),
                    help="dtype of the target forward (bf16: 3-4x faster on AMX CPUs)")  # fmt: skip

