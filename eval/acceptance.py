@@ -5,11 +5,18 @@ The measures (P(run >= i), tau(k), the vocabulary ceiling, agreement where the t
 why they are exact for every cycle start: train/acceptance.py. This module is the command line.
 
     python -m eval.acceptance --draft eagle3/drafts/smollm2-135m-instruct --draft runs/draft-v6 --n 80
+
+The target's greedy answers do not depend on the drafts, and generating them is most of a run (101 of 148 s
+for MT-bench's 80 on 2 cores), so they are kept in `.cache/answers/`, keyed by everything they depend on
+(the target file's path, size and mtime, dtype, --max-new-tokens, the prompt ids, torch, the CPU and the
+thread count); the next comparison on the same prompts starts at the drafts. `--fresh-answers` generates
+them again.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -22,8 +29,15 @@ from torch import Tensor
 
 from eagle3.draft import check_draft_fits, load_draft
 from eval.prompts import BENCHMARKS, check_prompts_option, load_benchmark
+from maverick.aot import cpu_name
 from maverick.cli import UserError, add_threads_option, output_file, positive_int, run_cli
-from maverick.target import TARGET_HELP, load_target, load_target_tokenizer
+from maverick.target import (
+    TARGET_HELP,
+    default_target_path,
+    load_target,
+    load_target_tokenizer,
+    target_identity,
+)
 from maverick.tokenizer import encode_chat
 from train.acceptance import (
     greedy_answers,
@@ -49,6 +63,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--target", "--gguf", dest="target", default=None, help=TARGET_HELP)
     add_threads_option(ap)
+    ap.add_argument("--fresh-answers", action="store_true",
+                    help="generate the target's answers again instead of reading them from .cache/answers")  # fmt: skip
     ap.add_argument("--out", type=output_file, default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     check_prompts_option(args.bench, args.prompts)
@@ -75,14 +91,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ]
     categories = [p.get("category", args.bench) for p in bench]
     t0 = time.perf_counter()
-    answers = greedy_answers(model, prompts, args.max_new_tokens)
+    cache = answers_path(args.target or default_target_path(), args.dtype, args.max_new_tokens, prompts)
+    answers = None if args.fresh_answers else read_answers(cache, len(prompts))
+    cached = answers is not None
+    if answers is None:
+        answers = greedy_answers(model, prompts, args.max_new_tokens)
+        write_answers(cache, answers)
     result: dict[str, Any] = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "answer_tokens": sum(map(len, answers)),
         "answer_seconds": round(time.perf_counter() - t0, 1),
+        "answers_cached": str(cache) if cached else None,
         "drafts": {},
     }
-    print(f"{len(prompts)} {args.bench} prompts, {result['answer_tokens']} answer tokens ({args.dtype})")
+    where = f", read from {cache}" if cached else ""
+    print(
+        f"{len(prompts)} {args.bench} prompts, {result['answer_tokens']} answer tokens ({args.dtype}{where})"
+    )
     print(
         f"{'draft':48s} {'positions':>9s} | P(run >= i), i = 1..{args.steps} | tau(k): k = 1..{args.steps} | "
         f"in vocab | confident: share, P(run >= 1)"
@@ -133,6 +158,40 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         tmp.write_text(json.dumps(result, indent=1) + "\n")
         os.replace(tmp, args.out)
     return result
+
+
+ANSWERS_DIR = Path(__file__).resolve().parent.parent / ".cache" / "answers"
+
+
+def answers_path(
+    target: str | os.PathLike, dtype: str, max_new_tokens: int, prompts: list[list[int]]
+) -> Path:
+    """Where the target's greedy answers to `prompts` are kept: named by a digest of all they depend on (the
+    batched bf16 kernels' choices included: torch, the CPU, the thread count)."""
+    ident = target_identity(target) | {"mtime_ns": Path(target).expanduser().resolve().stat().st_mtime_ns}
+    key = [ident, dtype, max_new_tokens, prompts, torch.__version__, cpu_name(), torch.get_num_threads()]
+    return ANSWERS_DIR / f"{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24]}.json"
+
+
+def read_answers(path: Path, n: int) -> list[list[int]] | None:
+    """The kept answers (None if there are none, or the file is damaged: they are generated again)."""
+    try:
+        answers = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(answers, list) and len(answers) == n
+    ok = ok and all(isinstance(a, list) and a and all(type(t) is int for t in a) for a in answers)
+    return answers if ok else None
+
+
+def write_answers(path: Path, answers: list[list[int]]) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(answers))
+        tmp.replace(path)
+    except OSError:  # a read-only checkout: generated again next time
+        tmp.unlink(missing_ok=True)
 
 
 def _cat(details: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:

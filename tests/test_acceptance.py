@@ -1,5 +1,7 @@
 """eval.acceptance: teacher-forced run lengths give every greedy chain cycle's accepted count exactly."""
 
+from pathlib import Path
+
 import torch
 
 from eagle3.draft import load_draft
@@ -82,3 +84,36 @@ def test_summarize_reports_the_vocabulary_ceiling_and_confident_positions():
     assert s["in_vocab"] == round(4 / 6, 4)
     assert s["confident"] == 0.5  # 0.95, 0.99, 0.92
     assert s["p_run_ge_1_confident"] == round(1 / 3, 4)  # runs 0, 1, 0 there
+
+
+def test_cli_keeps_the_targets_answers_and_reads_them_back(tmp_path, monkeypatch, capsys):
+    """eval.acceptance generates the target's answers once per (target, prompts, settings): a second
+    comparison reads them from the cache and scores the drafts exactly as the first; --fresh-answers and a
+    damaged file generate them again."""
+    from eval import acceptance
+
+    monkeypatch.setattr(acceptance, "ANSWERS_DIR", tmp_path / "answers")
+    generated = []
+    real = acceptance.greedy_answers
+
+    def counted(*a, **kw):
+        generated.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(acceptance, "greedy_answers", counted)
+    draft = "eagle3/drafts/smollm2-135m-instruct"
+    argv = ["--draft", draft, "--n", "2", "--max-new-tokens", "12", "--steps", "3"]
+    first = acceptance.main(argv)
+    second = acceptance.main(argv)
+    assert len(generated) == 1 and first["answers_cached"] is None
+    cache = tmp_path / "answers" / Path(second["answers_cached"]).name
+    assert second["drafts"] == first["drafts"] and cache.exists()
+    assert f"read from {cache}" in capsys.readouterr().out
+    assert acceptance.main([*argv, "--fresh-answers"])["answers_cached"] is None and len(generated) == 2
+    other = acceptance.main([*argv[:-2], "--steps", "4"])  # --steps does not change the answers
+    assert other["answers_cached"] == str(cache) and len(generated) == 2
+    longer = acceptance.main([*argv[:4], "--max-new-tokens", "13", "--steps", "3"])  # a new key
+    assert longer["answers_cached"] is None and len(generated) == 3
+    cache.write_text("[[1, 2], ")  # damaged: generated again, and the file mended
+    assert acceptance.main(argv)["drafts"] == first["drafts"] and len(generated) == 4
+    assert acceptance.read_answers(cache, 2) is not None
