@@ -471,7 +471,11 @@ def main(argv=None) -> int:
     config |= {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": "cpu"}
     if any(m.startswith("eagle3-tree") for m in methods):
         config["tree"] = asdict(tree_config(args))
-    earlier = read_progress(out_dir, config) if args.resume else check_out_dir(out_dir, args.overwrite)
+    earlier = []  # the progress file's lines of the prompts an earlier run finished
+    if args.resume:
+        earlier = read_progress(out_dir, config)
+    else:
+        check_out_dir(out_dir, args.overwrite)
     print(json.dumps(config), flush=True)
 
     tok = load_target_tokenizer(gguf)
@@ -637,19 +641,15 @@ def _prompt_sha(prompt: dict) -> str:
     return hashlib.sha256(json.dumps(prompt, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def check_out_dir(out_dir: Path, overwrite: bool) -> list[dict]:
+def check_out_dir(out_dir: Path, overwrite: bool) -> None:
     """A new run: refuse an --out holding an earlier one unless --overwrite (its records go when this run's
-    first prompt is written, so a run refused or stopped before then changes nothing). Returns [] (no
-    finished prompts)."""
+    first prompt is written, so a run refused or stopped before then changes nothing)."""
     held = [p.name for p in (out_dir / PROGRESS_FILE, out_dir / "report.json") if p.exists()]
     if held and not overwrite:
         raise UserError(
             f"{out_dir} holds an earlier run ({', '.join(held)}): --resume continues it, --overwrite starts "
             "again, or give another --out"
         )
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"--out {out_dir} is a file; the report directory goes there")
-    return []
 
 
 def start_progress(path: Path, config: dict) -> None:
