@@ -81,22 +81,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for draft in drafts.values():
         check_draft_fits(draft.config, model.config, draft.source)
     bench = load_benchmark(args.bench, args.n, args.prompts)
-    prompts = [
-        encode_chat(
-            tok,
-            ([{"role": "system", "content": p["system"]}] if "system" in p else [])
-            + [{"role": "user", "content": p["turns"][0]}],
-        )
-        for p in bench
-    ]
+    prompts = first_turns(tok, bench)
     categories = [p.get("category", args.bench) for p in bench]
     t0 = time.perf_counter()
-    cache = answers_path(args.target or default_target_path(), args.dtype, args.max_new_tokens, prompts)
-    answers = None if args.fresh_answers else read_answers(cache, len(prompts))
-    cached = answers is not None
-    if answers is None:
-        answers = greedy_answers(model, prompts, args.max_new_tokens)
-        write_answers(cache, answers)
+    target = args.target or default_target_path()
+    answers, cached = target_answers(
+        model, target, args.dtype, prompts, args.max_new_tokens, args.fresh_answers
+    )
+    cache = answers_path(target, args.dtype, args.max_new_tokens, prompts)
     result: dict[str, Any] = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "answer_tokens": sum(map(len, answers)),
@@ -161,6 +153,32 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 ANSWERS_DIR = Path(__file__).resolve().parent.parent / ".cache" / "answers"
+
+
+def first_turns(tok, bench: list[dict]) -> list[list[int]]:
+    """Each benchmark prompt's first user turn (after its system prompt, if any) as chat-template ids."""
+    return [
+        encode_chat(
+            tok,
+            ([{"role": "system", "content": p["system"]}] if "system" in p else [])
+            + [{"role": "user", "content": p["turns"][0]}],
+        )
+        for p in bench
+    ]
+
+
+def target_answers(
+    model, target: str | os.PathLike, dtype: str, prompts: list[list[int]], max_new_tokens: int, fresh: bool
+) -> tuple[list[list[int]], bool]:
+    """`model`'s greedy answers to `prompts` (the target file `target` in `dtype`), read from ANSWERS_DIR
+    where an earlier run kept them (unless `fresh`), else generated and kept. Returns (answers, read)."""
+    path = answers_path(target, dtype, max_new_tokens, prompts)
+    answers = None if fresh else read_answers(path, len(prompts))
+    if answers is not None:
+        return answers, True
+    answers = greedy_answers(model, prompts, max_new_tokens)
+    write_answers(path, answers)
+    return answers, False
 
 
 def answers_path(

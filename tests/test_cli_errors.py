@@ -354,7 +354,7 @@ def test_acceptance_and_bench_refuse_a_draft_of_another_target_before_answering(
 
 ENTRY_POINTS = [
     "maverick.generate", "maverick.parallel", "eval.acceptance", "eval.bench", "eval.bench_engine",
-    "eval.bench_fp8_gemm", "eval.compare_runs", "eagle3.generate", "train.datastore", "train.dump", "train.fit",
+    "eval.bench_fp8_gemm", "eval.compare_runs", "eval.quality", "eagle3.generate", "train.datastore", "train.dump", "train.fit",
     "train.regenerate", "train.stage", "train.stage_data",
 ]  # fmt: skip
 
@@ -537,7 +537,7 @@ def test_regenerate_refuses_an_out_file_it_did_not_write_and_leaves_it_untouched
 
 DIR_OUTS = ["train.dump", "train.fit", "train.stage", "eval.bench", "eval.bench_engine"]
 FILE_OUTS = ["train.regenerate", "train.datastore", "train.stage_data", "eval.acceptance", "eval.bench_fp8_gemm",
-             "eval.compare_runs"]  # fmt: skip
+             "eval.compare_runs", "eval.quality"]  # fmt: skip
 
 
 @pytest.mark.parametrize("module", DIR_OUTS + FILE_OUTS)
