@@ -12,7 +12,8 @@ forward of the same weights (the GGUF's values dequantised, the reference):
 
     KL mean / p99 / max   KL(fp32 || variant) of the next-token distributions, in nats
     top-1                 the share of positions where the variant's most likely token is fp32's
-    ppl                   the perplexity of the answer tokens under the variant (fp32's on its own row)
+    ppl                   the perplexity of the answer tokens under the variant (fp32's on its own row;
+                          the text is bf16's own greedy answer, so bf16 may score it below fp32)
 
 Variants (maverick/): `bf16` the model in bf16; `q4` the GGUF's Q4/Q8 linears packed for torch's int4
 kernel, bf16 (maverick/q4.py; what eval.bench's +q4 methods run); `fp8` bf16 with FP8 (e4m3) weight-only
