@@ -16,8 +16,9 @@ forward of the same weights (the GGUF's values dequantised, the reference):
                           the text is bf16's own greedy answer, so bf16 may score it below fp32)
 
 Variants (maverick/): `bf16` the model in bf16; `q4` the GGUF's Q4/Q8 linears packed for torch's int4
-kernel, bf16 (maverick/q4.py; what eval.bench's +q4 methods run); `fp8` bf16 with FP8 (e4m3) weight-only
-linears (maverick/fp8_linear.py; eval.bench's +fp8); `codes` fp32 with the quantised linears as one-byte
+kernel, bf16 (maverick/q4.py; what eval.bench's +q4 methods run); `fp8` bf16 with FP8 (e4m3, a scale per output
+row) weight-only linears, the head and embedding kept in bf16 (maverick/fp8_weight_only.py and its default
+filter; eval.bench's +fp8); `codes` fp32 with the quantised linears as one-byte
 codes (maverick/codes.py): the same values as the reference, so its row is the control, ~0 (a variant
 that computed something else would show there). llama.cpp's `llama-perplexity --kl-divergence` reports
 the same kind of numbers for its own quantisations.
