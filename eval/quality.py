@@ -129,6 +129,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     target = args.target or default_target_path()
+    packed = [v for v in variants if v in ("q4", "codes")]
+    if packed and Path(target).is_dir():
+        raise UserError(f"--variants {','.join(packed)}: {target} is an HF directory; the packed forms are a GGUF "
+                        "file's quantised linears (give a .gguf --target, or --variants bf16,fp8)")  # fmt: skip
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     config |= {"variants": variants, "target": str(target), "torch": torch.__version__}
     print(json.dumps(config), flush=True)

@@ -63,6 +63,8 @@ def test_the_command_measures_fp8_against_the_codes_control(tmp_path, monkeypatc
     assert "KL mean" in table and "\nfp8 " in table
 
 
-def test_unknown_variants_are_one_line(capsys):
+def test_unknown_variants_are_one_line(capsys, tmp_path):
     code, err = exit_status(quality.main, ["--variants", "q4,int2"], capsys)
     assert code == 2 and "--variants: unknown 'int2'; choose from bf16, q4, fp8, codes" in err
+    code, err = exit_status(quality.main, ["--variants", "bf16,codes", "--target", str(tmp_path)], capsys)
+    assert code == 2 and f"--variants codes: {tmp_path} is an HF directory" in err
