@@ -85,18 +85,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     categories = [p.get("category", args.bench) for p in bench]
     t0 = time.perf_counter()
     target = args.target or default_target_path()
-    answers, cached = target_answers(
+    answers, cache = target_answers(
         model, target, args.dtype, prompts, args.max_new_tokens, args.fresh_answers
     )
-    cache = answers_path(target, args.dtype, args.max_new_tokens, prompts)
     result: dict[str, Any] = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "answer_tokens": sum(map(len, answers)),
         "answer_seconds": round(time.perf_counter() - t0, 1),
-        "answers_cached": str(cache) if cached else None,
+        "answers_cached": str(cache) if cache else None,
         "drafts": {},
     }
-    where = f", read from {cache}" if cached else ""
+    where = f", read from {cache}" if cache else ""
     print(
         f"{len(prompts)} {args.bench} prompts, {result['answer_tokens']} answer tokens ({args.dtype}{where})"
     )
@@ -169,16 +168,17 @@ def first_turns(tok, bench: list[dict]) -> list[list[int]]:
 
 def target_answers(
     model, target: str | os.PathLike, dtype: str, prompts: list[list[int]], max_new_tokens: int, fresh: bool
-) -> tuple[list[list[int]], bool]:
+) -> tuple[list[list[int]], Path | None]:
     """`model`'s greedy answers to `prompts` (the target file `target` in `dtype`), read from ANSWERS_DIR
-    where an earlier run kept them (unless `fresh`), else generated and kept. Returns (answers, read)."""
+    where an earlier run kept them (unless `fresh`), else generated and kept. Returns (answers, the file
+    they were read from, or None where they were generated)."""
     path = answers_path(target, dtype, max_new_tokens, prompts)
     answers = None if fresh else read_answers(path, len(prompts))
     if answers is not None:
-        return answers, True
+        return answers, path
     answers = greedy_answers(model, prompts, max_new_tokens)
     write_answers(path, answers)
-    return answers, False
+    return answers, None
 
 
 def answers_path(

@@ -471,6 +471,7 @@ def main(argv=None) -> int:
     config |= {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": "cpu"}
     if any(m.startswith("eagle3-tree") for m in methods):
         config["tree"] = asdict(tree_config(args))
+    progress = out_dir / PROGRESS_FILE
     earlier = []  # the progress file's lines of the prompts an earlier run finished
     if args.resume:
         earlier = read_progress(out_dir, config)
@@ -480,11 +481,11 @@ def main(argv=None) -> int:
 
     tok = load_target_tokenizer(gguf)
     prompts = load_benchmark(args.bench, n=args.n, path=args.prompts)
-    done = finished_prompts(earlier, prompts, out_dir / PROGRESS_FILE)
+    done = finished_prompts(earlier, prompts, progress)
     if done:
         config["resumed_prompts"] = len(done)
         print(
-            f"resuming: {len(done)} of {len(prompts)} prompts finished in {out_dir / PROGRESS_FILE}",
+            f"resuming: {len(done)} of {len(prompts)} prompts finished in {progress}",
             flush=True,
         )
     check_prompt_lengths(args, tok, prompts)
@@ -533,7 +534,6 @@ def main(argv=None) -> int:
     records: list[RunRecord] = []
     cut: list[str] = []  # prompt turns cut to --max-prompt-tokens (--long-prompts truncate)
     bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", file=sys.stderr)
-    progress = out_dir / PROGRESS_FILE
     try:  # a prompt's records join `records` (and the progress file) once every method has run it
         for i, prompt in enumerate(prompts):
             key = str(prompt["id"])

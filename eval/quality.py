@@ -142,7 +142,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     prompts = first_turns(tok, bench)
     categories = [p.get("category", args.bench) for p in bench]
     bf16 = load_target(target, dtype=torch.bfloat16)
-    answers, cached = target_answers(bf16, target, "bf16", prompts, args.max_new_tokens, args.fresh_answers)
+    answers, kept = target_answers(bf16, target, "bf16", prompts, args.max_new_tokens, args.fresh_answers)
+    cached = kept is not None
     print(f"{len(prompts)} {args.bench} prompts, {sum(map(len, answers))} answer tokens of the bf16 target"
           + (" (kept from an earlier run)" if cached else ""), flush=True)  # fmt: skip
 

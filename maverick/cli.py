@@ -198,10 +198,18 @@ def device(text: str) -> str:
     return text
 
 
+def check_output_dir(path: str | os.PathLike) -> None:
+    """An output directory may not exist yet, but no file may stand where it goes (UserError)."""
+    if Path(path).exists() and not Path(path).is_dir():
+        raise UserError(f"{path} is a file; an output directory goes there")
+
+
 def output_dir(text: str) -> str:
-    """argparse type: an output directory (it may not exist yet; a file there is refused before any work)."""
-    if Path(text).exists() and not Path(text).is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a file; an output directory goes there")
+    """argparse type: an output directory, checked by `check_output_dir` before any work."""
+    try:
+        check_output_dir(text)
+    except UserError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 

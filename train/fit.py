@@ -66,6 +66,7 @@ from maverick.checkpoint import atomic_dir
 from maverick.cli import (
     UserError,
     add_threads_option,
+    check_output_dir,
     nonnegative_float,
     nonnegative_int,
     output_dir,
@@ -387,8 +388,7 @@ def check_out(cfg: FitConfig) -> list[str]:
     """The earlier run's files in --out that this run would replace (`overwrite`); an --out holding a run
     is refused unless resuming or `overwrite`. Touches nothing, so the CLI checks it before reading data."""
     out = Path(cfg.out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out}: is a file; an output directory goes there (give another --out)")
+    check_output_dir(out)  # the CLI's --out type checks it too; train() callers come here
     held = [n for n in RUN_FILES if (out / n).is_file() or (out / n).is_dir() and any((out / n).iterdir())]
     if held and not cfg.resume and not cfg.overwrite:
         raise UserError(
