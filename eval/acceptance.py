@@ -29,6 +29,7 @@ from torch import Tensor
 
 from eagle3.draft import check_draft_fits, load_draft
 from eval.prompts import BENCHMARKS, check_prompts_option, load_benchmark
+from eval.report import atomic_write_bytes
 from maverick.aot import cpu_name
 from maverick.cli import UserError, add_threads_option, output_file, positive_int, run_cli
 from maverick.target import (
@@ -144,10 +145,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             )
             print(f"{c:14s} {cells[0]['positions']:6d}  {row}")
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_name(args.out.name + ".tmp")
-        tmp.write_text(json.dumps(result, indent=1) + "\n")
-        os.replace(tmp, args.out)
+        atomic_write_bytes(args.out, (json.dumps(result, indent=1) + "\n").encode())
     return result
 
 
@@ -203,13 +201,10 @@ def read_answers(path: Path, n: int) -> list[list[int]] | None:
 
 
 def write_answers(path: Path, answers: list[list[int]]) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(answers))
-        tmp.replace(path)
+        atomic_write_bytes(path, json.dumps(answers).encode())
     except OSError:  # a read-only checkout: generated again next time
-        tmp.unlink(missing_ok=True)
+        pass
 
 
 def _cat(details: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
