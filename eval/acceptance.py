@@ -1,16 +1,21 @@
-"""Teacher-forced acceptance of EAGLE-3 drafts: what a greedy chain would accept, from one target forward
-per answer instead of a decoding run (seconds per draft instead of a benchmark's minutes).
+"""Teacher-forced acceptance of EAGLE-3 drafts: what a chain would accept, from one target forward per
+answer instead of a decoding run (seconds per draft instead of a benchmark's minutes).
 
 The measures (P(run >= i), tau(k), the vocabulary ceiling, agreement where the target is confident) and
-why they are exact for every cycle start: train/acceptance.py. This module is the command line.
+why they are exact for every greedy cycle start, and unbiased for sampled chains: train/acceptance.py.
+This module is the command line.
 
     python -m eval.acceptance --draft eagle3/drafts/smollm2-135m-instruct --draft runs/draft-v6 --n 80
+    python -m eval.acceptance --draft eagle3/drafts/smollm2-135m-instruct --temperature 1 --seed 0
 
-The target's greedy answers do not depend on the drafts, and generating them is most of a run (101 of 148 s
-for MT-bench's 80 on 2 cores), so they are kept in `.cache/answers/`, keyed by everything they depend on
-(the target file's path, size and mtime, dtype, --max-new-tokens, the prompt ids, torch, the CPU and the
-thread count); the next comparison on the same prompts starts at the drafts. `--fresh-answers` generates
-them again.
+At temperature > 0 (with --top-k / --top-p as decoding takes them) the target's answers are drawn with that
+rule, and each position counts the probability that a sampled chain keeps its draft tokens there.
+
+The target's answers do not depend on the drafts, and generating them is most of a run (101 of 148 s for
+MT-bench's 80 on 2 cores), so they are kept in `.cache/answers/`, keyed by everything they depend on (the
+target file's path, size and mtime, dtype, --max-new-tokens, the prompt ids, the sampling rule and seed,
+torch, the CPU and the thread count); the next comparison on the same prompts starts at the drafts.
+`--fresh-answers` generates them again.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from eval.prompts import BENCHMARKS, check_prompts_option, load_benchmark
 from eval.report import atomic_write_bytes
 from maverick.aot import cpu_name
 from maverick.cli import UserError, add_threads_option, output_file, positive_int, run_cli
+from maverick.sampling import SamplingParams, add_sampling_options
 from maverick.target import (
     TARGET_HELP,
     default_target_path,
@@ -42,7 +48,9 @@ from maverick.target import (
 from maverick.tokenizer import encode_chat
 from train.acceptance import (
     greedy_answers,
+    reach_of_runs,
     run_lengths,
+    sampled_reach,
     summarize,
     target_detail,
     target_fields,
@@ -53,7 +61,8 @@ from train.acceptance import (
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(
         prog="python -m eval.acceptance",
-        description="Teacher-forced greedy chain acceptance of EAGLE-3 drafts on a benchmark's first turns.",
+        description="Teacher-forced chain acceptance of EAGLE-3 drafts on a benchmark's first turns: greedy, "
+        "or sampled with --temperature > 0 (the target's answers drawn with the same rule).",
     )
     ap.add_argument("--draft", action="append", required=True, help="draft directory (repeat to compare)")
     ap.add_argument("--bench", choices=BENCHMARKS, default="mtbench")
@@ -63,6 +72,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--steps", type=positive_int, default=5, help="draft positions scored")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--target", "--gguf", dest="target", default=None, help=TARGET_HELP)
+    add_sampling_options(ap)
     add_threads_option(ap)
     ap.add_argument("--fresh-answers", action="store_true",
                     help="generate the target's answers again instead of reading them from .cache/answers")  # fmt: skip
@@ -74,6 +84,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f"--max-new-tokens {args.max_new_tokens} scores no position with --steps {args.steps}: an answer "
             f"of N tokens has N - {args.steps} positions; give more than {args.steps}"
         )
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -87,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     target = args.target or default_target_path()
     answers, cache = target_answers(
-        model, target, args.dtype, prompts, args.max_new_tokens, args.fresh_answers
+        model, target, args.dtype, prompts, args.max_new_tokens, args.fresh_answers, sampling, args.seed
     )
     result: dict[str, Any] = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -97,8 +108,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "drafts": {},
     }
     where = f", read from {cache}" if cache else ""
+    rule = "greedy" if sampling.greedy else f"sampled: {describe(sampling)}, seed {args.seed}"
     print(
-        f"{len(prompts)} {args.bench} prompts, {result['answer_tokens']} answer tokens ({args.dtype}{where})"
+        f"{len(prompts)} {args.bench} prompts, {result['answer_tokens']} answer tokens ({args.dtype}, "
+        f"{rule}{where})"
     )
     print(
         f"{'draft':48s} {'positions':>9s} | P(run >= i), i = 1..{args.steps} | tau(k): k = 1..{args.steps} | "
@@ -113,16 +126,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             fields[layers] = [target_fields(model, p, a, layers) for p, a in zip(prompts, answers)]
         if not probs:
             probs = [
-                target_probs(model, p, a, args.steps, f) for p, a, f in zip(prompts, answers, fields[layers])
+                target_probs(model, p, a, args.steps, f, sampling)
+                for p, a, f in zip(prompts, answers, fields[layers])
             ]
-        runs, details = [], []
+        reach, details = [], []
         for p, a, f, tp in zip(prompts, answers, fields[layers], probs):
-            runs.append(run_lengths(model, draft, p, a, args.steps, f))
-            details.append(target_detail(draft, p, a, args.steps, f, tp))
-        s = summarize(torch.cat(runs), args.steps, _cat(details))
+            if sampling.greedy:
+                reach.append(reach_of_runs(run_lengths(model, draft, p, a, args.steps, f), args.steps))
+            else:
+                reach.append(sampled_reach(model, draft, p, a, args.steps, sampling, f))
+            details.append(target_detail(draft, p, a, args.steps, f, tp, sampled=not sampling.greedy))
+        s = summarize(torch.cat(reach), args.steps, _cat(details))
         s["categories"] = {
             c: summarize(
-                torch.cat([r for r, c2 in zip(runs, categories) if c2 == c]),
+                torch.cat([r for r, c2 in zip(reach, categories) if c2 == c]),
                 args.steps,
                 _cat([d for d, c2 in zip(details, categories) if c2 == c]),
             )
@@ -165,28 +182,51 @@ def first_turns(tok, bench: list[dict]) -> list[list[int]]:
 
 
 def target_answers(
-    model, target: str | os.PathLike, dtype: str, prompts: list[list[int]], max_new_tokens: int, fresh: bool
+    model,
+    target: str | os.PathLike,
+    dtype: str,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    fresh: bool,
+    sampling: SamplingParams | None = None,
+    seed: int = 0,
 ) -> tuple[list[list[int]], Path | None]:
-    """`model`'s greedy answers to `prompts` (the target file `target` in `dtype`), read from ANSWERS_DIR
-    where an earlier run kept them (unless `fresh`), else generated and kept. Returns (answers, the file
-    they were read from, or None where they were generated)."""
-    path = answers_path(target, dtype, max_new_tokens, prompts)
+    """`model`'s answers to `prompts` (the target file `target` in `dtype`; greedy, or drawn with `sampling`
+    from `seed`), read from ANSWERS_DIR where an earlier run kept them (unless `fresh`), else generated and
+    kept. Returns (answers, the file they were read from, or None where they were generated)."""
+    path = answers_path(target, dtype, max_new_tokens, prompts, sampling, seed)
     answers = None if fresh else read_answers(path, len(prompts))
     if answers is not None:
         return answers, path
-    answers = greedy_answers(model, prompts, max_new_tokens)
+    answers = greedy_answers(model, prompts, max_new_tokens, sampling=sampling, seed=seed)
     write_answers(path, answers)
     return answers, None
 
 
 def answers_path(
-    target: str | os.PathLike, dtype: str, max_new_tokens: int, prompts: list[list[int]]
+    target: str | os.PathLike,
+    dtype: str,
+    max_new_tokens: int,
+    prompts: list[list[int]],
+    sampling: SamplingParams | None = None,
+    seed: int = 0,
 ) -> Path:
-    """Where the target's greedy answers to `prompts` are kept: named by a digest of all they depend on (the
-    batched bf16 kernels' choices included: torch, the CPU, the thread count)."""
+    """Where the target's answers to `prompts` are kept: named by a digest of all they depend on (the
+    batched bf16 kernels' choices included: torch, the CPU, the thread count; for sampled answers the rule
+    and the seed)."""
     ident = target_identity(target) | {"mtime_ns": Path(target).expanduser().resolve().stat().st_mtime_ns}
     key = [ident, dtype, max_new_tokens, prompts, torch.__version__, cpu_name(), torch.get_num_threads()]
+    if sampling is not None and not sampling.greedy:
+        key.append([sampling.temperature, sampling.top_k, sampling.top_p, seed])
     return ANSWERS_DIR / f"{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24]}.json"
+
+
+def describe(sampling: SamplingParams) -> str:
+    """'temperature 1.0, top-k 20, top-p 0.9' (the filters that are on)."""
+    parts = [f"temperature {sampling.temperature:g}"]
+    parts += [f"top-k {sampling.top_k}"] if sampling.top_k else []
+    parts += [f"top-p {sampling.top_p:g}"] if sampling.top_p < 1 else []
+    return ", ".join(parts)
 
 
 def read_answers(path: Path, n: int) -> list[list[int]] | None:

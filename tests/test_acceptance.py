@@ -1,17 +1,25 @@
-"""eval.acceptance: teacher-forced run lengths give every greedy chain cycle's accepted count exactly."""
+"""eval.acceptance: teacher-forced run lengths give every greedy chain cycle's accepted count exactly, and
+sampled chains' acceptance without bias."""
 
 from pathlib import Path
 
+import pytest
 import torch
+from test_spec import make_draft, make_target
 
 from eagle3.draft import load_draft
 from eagle3.spec import SpecDecoder
 from eagle3.tuner import FixedK
 from maverick.gguf_model import load_gguf_model
+from maverick.sampling import SamplingParams
 from maverick.tokenizer import encode_chat, load_tokenizer
+from train import acceptance as acceptance_mod
 from train.acceptance import (
     greedy_answers,
+    reach_of_runs,
     run_lengths,
+    sampled_reach,
+    sampled_reach_rows,
     summarize,
     target_detail,
     target_fields,
@@ -44,7 +52,7 @@ def test_run_lengths_predict_each_cycle_of_a_decoding_run():
 
 
 def test_summarize_counts_runs():
-    s = summarize(torch.tensor([0, 1, 2, 5, 3, 0, 1, 4]), 5)
+    s = summarize(reach_of_runs(torch.tensor([0, 1, 2, 5, 3, 0, 1, 4]), 5), 5)
     assert s["positions"] == 8
     assert s["p_run_ge"] == [0.75, 0.5, 0.375, 0.25, 0.125]
     assert s["tau"][1] == 1.75 and s["tau"][3] == 1 + 0.75 + 0.5 + 0.375
@@ -72,6 +80,10 @@ def test_target_detail_matches_the_target_logits_at_each_cycle_start():
         assert abs(float(d["target_p"][j]) - float(probs[P + j, y])) < 1e-4
         if not draft.t2d[y]:
             assert run[j] == 0  # a token outside the draft vocabulary is never drafted
+    # the sampled chains' measure at temperature 0 (one-hot distributions) is the greedy count
+    greedy = reach_of_runs(run, steps)
+    assert greedy[:, 0].sum() >= 5
+    assert torch.equal(sampled_reach(model, draft, prompt, answer, steps, SamplingParams(0.0), f), greedy)
 
 
 def test_summarize_reports_the_vocabulary_ceiling_and_confident_positions():
@@ -80,7 +92,7 @@ def test_summarize_reports_the_vocabulary_ceiling_and_confident_positions():
         "in_vocab": torch.tensor([False, True, True, True, True, False]),
         "target_p": torch.tensor([0.95, 0.99, 0.5, 0.92, 0.3, 0.1]),
     }
-    s = summarize(runs, 3, detail)
+    s = summarize(reach_of_runs(runs, 3), 3, detail)
     assert s["in_vocab"] == round(4 / 6, 4)
     assert s["confident"] == 0.5  # 0.95, 0.99, 0.92
     assert s["p_run_ge_1_confident"] == round(1 / 3, 4)  # runs 0, 1, 0 there
@@ -117,3 +129,45 @@ def test_cli_keeps_the_targets_answers_and_reads_them_back(tmp_path, monkeypatch
     cache.write_text("[[1, 2], ")  # damaged: generated again, and the file mended
     assert acceptance.main(argv)["drafts"] == first["drafts"] and len(generated) == 4
     assert acceptance.read_answers(cache, 2) is not None
+    # sampled answers are kept apart from the greedy ones and from other seeds, and read back per seed
+    hot = [*argv, "--temperature", "1"]
+    a, b = acceptance.main(hot), acceptance.main(hot)
+    assert a["answers_cached"] is None and b["answers_cached"] not in (None, str(cache))
+    assert a["drafts"] == b["drafts"] and len(generated) == 5
+    assert acceptance.main([*hot, "--seed", "1"])["answers_cached"] is None and len(generated) == 6
+
+
+# Sampled chains: N first cycles of SpecDecoder (k = 3) against the estimator's mean over N answers sampled
+# from the target; both are means of [0, 1] values, so by Hoeffding each is within sqrt(ln(2/delta) / 2N) =
+# 0.036 of P(run >= i) at delta = 1e-3, N = 3000: the two within 0.071.
+N_MC, K_MC, MC_BOUND = 3000, 3, 0.071
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(1.0), SamplingParams(0.8, top_k=6, top_p=0.9)])
+def test_sampled_reach_predicts_the_first_cycles_of_sampled_decoding(sampling, monkeypatch):
+    """A tiny target and a random draft that keep ~70% / 42% / 25% of their tokens at temperature 1: the
+    mean of `sampled_reach` at the first cycle's start over answers the target samples equals the share of
+    SpecDecoder runs whose first cycle keeps >= i tokens; a wrong rule (the chance that the draft proposes
+    the emitted token, q(x), instead of min(p, q) / p) misses by far more than the bound."""
+    t = make_target(std=0.1, seed=5, vocab_size=16, eos_token_id=None)
+    d = make_draft(t, std=0.1, seed=6)
+    prompt = [3, 7, 1, 9, 4]
+    g = SpecDecoder(t, d, max_len=32, policy=FixedK(K_MC)).generate(
+        [prompt] * N_MC, K_MC + 2, sampling=sampling, generator=torch.Generator().manual_seed(0)
+    )
+    first = torch.tensor(g.stats["spec"].accepted_rows[0])  # every row's first cycle
+    decoded = torch.stack([(first >= i).float().mean() for i in range(1, K_MC + 1)])
+    answers = greedy_answers(t, [prompt] * N_MC, K_MC + 2, batch_size=N_MC, sampling=sampling, seed=1)
+    reach = sampled_reach_rows(t, d, prompt, answers, K_MC, sampling)  # [N, 2 positions, K]
+    assert reach.shape == (N_MC, 2, K_MC)
+    estimated = reach[:, 0].mean(0)
+    assert decoded[0] > 0.3 and decoded[1] > 0.05  # the chains keep tokens past the first
+    assert (estimated - decoded).abs().max() < MC_BOUND, (decoded, estimated)
+    for a in answers[:3]:  # one answer at a time gives the batch's numbers
+        assert torch.allclose(
+            sampled_reach(t, d, prompt, a, K_MC, sampling), reach[answers.index(a)], atol=1e-5
+        )
+
+    monkeypatch.setattr(acceptance_mod, "kept", lambda q, p: q)
+    wrong = sampled_reach_rows(t, d, prompt, answers, K_MC, sampling)[:, 0].mean(0)
+    assert (wrong - decoded).abs().max() > MC_BOUND

@@ -21,7 +21,17 @@ Where the acceptance comes from (same positions, the first draft token only):
 
 and every number per category of the benchmark (MT-bench has eight).
 
-Trees and sampling are not covered (a tree accepts what its top-k branches hold; use eval.bench).
+Sampled chains (temperature > 0, with top-k / top-p as decoding applies them to both sides): a draft token
+y ~ q is kept with probability min(1, p(y)/q(y)), and the emitted token x is distributed as p whatever the
+draft; so P(kept and x emitted) = min(p(x), q(x)), and given that the target emits x the token was kept
+with probability min(p(x), q(x)) / p(x). Down a chain each step's draft conditions on the emitted tokens
+before it (the kept ones, which the training-time-test state holds), so over an answer the target SAMPLED
+with the same rule, the product of these ratios over the first i steps is the probability that a cycle
+keeps its first i draft tokens given that the target emits this answer, and its mean over sampled answers
+is P(run >= i) without bias (`sampled_reach`; tests/test_acceptance.py checks it against the first cycles
+of SpecDecoder runs). At temperature 0 the ratios are 0 or 1 and this is the greedy count.
+
+Trees are not covered (a tree accepts what its top-k branches hold; use eval.bench).
 """
 
 from __future__ import annotations
@@ -35,21 +45,31 @@ from torch import Tensor
 from eagle3.draft import Eagle3Draft
 from maverick.generate import Decoder
 from maverick.model import Llama4
+from maverick.sampling import SamplingParams, logits_to_probs
 from train.dump import run_target
 from train.ttt import ttt_unroll
 
 
 def greedy_answers(
-    model: Llama4, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int = 16
+    model: Llama4,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    batch_size: int = 16,
+    sampling: SamplingParams | None = None,
+    seed: int = 0,
 ) -> list[list[int]]:
-    """The target's greedy answers (up to and including a stop token), in batches."""
+    """The target's answers (up to and including a stop token), in batches: greedy, or drawn with
+    `sampling` from one generator seeded with `seed`."""
     out: list[list[int]] = []
+    g = None if sampling is None or sampling.greedy else torch.Generator(model.device).manual_seed(seed)
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
         dec = Decoder(
             model, max_len=max(map(len, chunk)) + max_new_tokens + 8, batch_size=len(chunk), exact=False
         )
-        out += dec.generate(chunk, max_new_tokens, stop_ids=model.config.eos_ids).tokens
+        out += dec.generate(
+            chunk, max_new_tokens, sampling=sampling, stop_ids=model.config.eos_ids, generator=g
+        ).tokens
     return out
 
 
@@ -103,21 +123,117 @@ def _first_draft_targets(prompt: Sequence[int], answer: Sequence[int], steps: in
 
 
 @torch.no_grad()
-def target_probs(
-    model: Llama4, prompt: Sequence[int], answer: Sequence[int], steps: int, fields: dict[str, Tensor]
+def token_probs(
+    model: Llama4, hidden: Tensor, tokens: Tensor, sampling: SamplingParams | None = None
 ) -> Tensor:
-    """For the positions of `run_lengths`: the target's probability of its greedy choice for the cycle's
-    first draft token x_{t+2} (fp32 softmax over the full vocabulary from the stored final hidden state).
-    The same for every draft, so computed once per answer."""
-    at = _first_draft_targets(prompt, answer, steps)
-    target = fields["target_argmax"].long()[at]
-    hidden = fields["hidden"][at].to(model.device).float()
+    """The target's probability of tokens[j] after the final hidden state hidden[j] ([N, H]): fp32 logits,
+    through `sampling`'s rule where given (else the plain softmax), over the full vocabulary."""
+    hidden, tokens = hidden.to(model.device).float(), tokens.long().to(model.device)
     head = model.lm_head.weight.float()
-    p = torch.zeros(len(target))
-    for i in range(0, len(target), 512):  # [512, V] fp32 probabilities at a time
-        probs = (hidden[i : i + 512] @ head.T).softmax(-1)
-        p[i : i + 512] = probs.gather(1, target[i : i + 512, None].to(probs.device))[:, 0].cpu()
+    p = torch.zeros(len(tokens))
+    for i in range(0, len(tokens), 512):  # [512, V] fp32 probabilities at a time
+        logits = hidden[i : i + 512] @ head.T
+        probs = logits.softmax(-1) if sampling is None else logits_to_probs(logits, sampling)
+        p[i : i + 512] = probs.gather(1, tokens[i : i + 512, None])[:, 0].cpu()
     return p
+
+
+def target_probs(
+    model: Llama4,
+    prompt: Sequence[int],
+    answer: Sequence[int],
+    steps: int,
+    fields: dict[str, Tensor],
+    sampling: SamplingParams | None = None,
+) -> Tensor:
+    """For the positions of `run_lengths`: the target's probability of the cycle's first draft token
+    x_{t+2}. Greedy (`sampling` None or at temperature 0): of its greedy choice, under the plain fp32
+    softmax; sampled: of the answer's own token, under the sampling rule. The same for every draft, so
+    computed once per answer."""
+    at = _first_draft_targets(prompt, answer, steps)
+    if sampling is None or sampling.greedy:
+        return token_probs(model, fields["hidden"][at], fields["target_argmax"][at])
+    ids = torch.as_tensor(list(prompt) + list(answer))
+    return token_probs(model, fields["hidden"][at], ids[at.start + 1 : at.stop + 1], sampling)
+
+
+def kept(q: Tensor, p: Tensor) -> Tensor:
+    """The probability that a draft token drawn from q was kept, given that the target emitted it (q, p:
+    the draft's and the target's probabilities of the emitted token): min(p, q) / p."""
+    return torch.where(q >= p, torch.ones_like(p), q / p)
+
+
+@torch.no_grad()
+def sampled_reach(
+    model: Llama4,
+    draft: Eagle3Draft,
+    prompt: Sequence[int],
+    answer: Sequence[int],
+    steps: int,
+    sampling: SamplingParams,
+    fields: dict[str, Tensor] | None = None,
+) -> Tensor:
+    """Sampled chains: [positions, steps] for the positions of `run_lengths` (row j: the cycle starting at
+    index P - 1 + j); element (j, i): the probability that the cycle keeps its first i + 1 draft tokens,
+    given that the target emits `answer` (drawn with `sampling`): the product of `kept` over steps 0..i.
+    Step i's draft token is x_{t+2+i}, checked against the target's distribution at index t + 1 + i."""
+    f = fields if fields is not None else target_fields(model, prompt, answer, draft.config.feature_layers)
+    x = torch.as_tensor(list(prompt) + list(answer))[None]
+    return _reach_rows(model, draft, x, len(prompt), f["features"][None], f["hidden"][None], steps, sampling)[
+        0
+    ]
+
+
+@torch.no_grad()
+def sampled_reach_rows(
+    model: Llama4,
+    draft: Eagle3Draft,
+    prompt: Sequence[int],
+    answers: Sequence[Sequence[int]],
+    steps: int,
+    sampling: SamplingParams,
+) -> Tensor:
+    """`sampled_reach` of many answers of one length to one prompt, in one batch: [answers, positions,
+    steps]."""
+    if len({len(a) for a in answers}) != 1:
+        raise ValueError("sampled_reach_rows: the answers must have one length")
+    samples = [
+        {"input_ids": list(prompt) + list(a), "loss_mask": [0] * len(prompt) + [1] * len(a)} for a in answers
+    ]
+    f = run_target(model, samples, draft.config.feature_layers, model.dtype)
+    x = torch.tensor([s["input_ids"] for s in samples])
+    features, hidden = torch.stack([r["features"] for r in f]), torch.stack([r["hidden"] for r in f])
+    return _reach_rows(model, draft, x, len(prompt), features, hidden, steps, sampling)
+
+
+def _reach_rows(
+    model: Llama4,
+    draft: Eagle3Draft,
+    x: Tensor,
+    P: int,
+    features: Tensor,
+    hidden: Tensor,
+    steps: int,
+    sampling: SamplingParams,
+) -> Tensor:
+    """`sampled_reach` of B rows of one length: x [B, T] token ids (a prompt of P tokens, then the answer),
+    the target's features [B, T, F] and final hidden states [B, T, H] -> [B, positions, steps]."""
+    B, T = x.shape
+    dev = model.device
+    x = x.to(dev)
+    # p_next[:, u - P]: the target's probability of x_{u+1} at index u, for u = P .. T - 2
+    p_next = token_probs(model, hidden[:, P : T - 1].flatten(0, 1), x[:, P + 1 :].flatten().cpu(), sampling)
+    p_next = p_next.view(B, T - 1 - P)
+    to_draft = torch.full((len(draft.t2d),), -1, dtype=torch.long, device=dev)
+    to_draft[draft.draft_to_target_ids.to(dev)] = torch.arange(draft.config.draft_vocab_size, device=dev)
+    first, last = P - 1, T - 1 - steps
+    keep = torch.ones(steps, B, last - first)
+    for i, logits in ttt_unroll(draft, model.model.embed_tokens, x, features.to(dev), steps):
+        q_d = logits_to_probs(logits[:, first:last], sampling)  # [B, n, V'] the draft's rule, as decoding's
+        d = to_draft[x[:, first + 2 + i : last + 2 + i]]  # the emitted tokens the draft tokens are checked by
+        q = torch.where(d >= 0, q_d.gather(2, d.clamp(min=0)[..., None])[..., 0], torch.zeros((), device=dev))
+        keep[i] = kept(q.cpu(), p_next[:, first + 1 + i - P : last + 1 + i - P])
+    return keep.cumprod(0).permute(1, 2, 0)
 
 
 def target_detail(
@@ -127,30 +243,39 @@ def target_detail(
     steps: int,
     fields: dict[str, Tensor],
     target_p: Tensor,
+    sampled: bool = False,
 ) -> dict[str, Tensor]:
-    """For the positions of `run_lengths`: whether the target's greedy choice for x_{t+2} is in the draft
-    vocabulary, and its probability (`target_probs`)."""
-    target = fields["target_argmax"].long()[_first_draft_targets(prompt, answer, steps)]
+    """For the positions of `run_lengths`: whether the cycle's first draft token x_{t+2} (the target's
+    greedy choice, or for a `sampled` answer its own token) is in the draft vocabulary, and its probability
+    (`target_probs`)."""
+    at = _first_draft_targets(prompt, answer, steps)
+    if sampled:
+        target = torch.as_tensor(list(prompt) + list(answer))[at.start + 1 : at.stop + 1]
+    else:
+        target = fields["target_argmax"].long()[at]
     return {"in_vocab": draft.t2d[target.to(draft.t2d.device)].cpu(), "target_p": target_p}
 
 
-def summarize(runs: Tensor, steps: int, detail: dict[str, Tensor] | None = None) -> dict[str, Any]:
+def reach_of_runs(runs: Tensor, steps: int) -> Tensor:
+    """Greedy run lengths [N] -> [N, steps]: element (j, i) is 1 where run j reached i + 1 draft tokens."""
+    return (runs[:, None] > torch.arange(steps)).float()
+
+
+def summarize(reach: Tensor, steps: int, detail: dict[str, Tensor] | None = None) -> dict[str, Any]:
     """P(run >= i), tau(k) and, given `target_detail` of the same positions, the vocabulary ceiling and
-    the agreement where the target is confident."""
-    p = (
-        [(runs >= i).float().mean().item() for i in range(1, steps + 1)]
-        if len(runs)
-        else [float("nan")] * steps
-    )
+    the agreement where the target is confident. reach [N, steps]: `sampled_reach`, or `reach_of_runs` of
+    greedy run lengths."""
+    first = reach[:, 0]  # P(run >= 1) per position
+    p = reach.mean(0).tolist() if len(reach) else [float("nan")] * steps
     out: dict[str, Any] = {
-        "positions": len(runs),
+        "positions": len(reach),
         "p_run_ge": [round(v, 4) for v in p],
         "tau": {k: round(1 + sum(p[:k]), 4) for k in range(1, steps + 1)},
     }
     if detail is not None:
         sure = detail["target_p"] >= CONFIDENT
         nan = float("nan")
-        out["in_vocab"] = round(detail["in_vocab"].float().mean().item(), 4) if len(runs) else nan
-        out["confident"] = round(sure.float().mean().item(), 4) if len(runs) else nan
-        out["p_run_ge_1_confident"] = round((runs[sure] >= 1).float().mean().item(), 4) if sure.any() else nan
+        out["in_vocab"] = round(detail["in_vocab"].float().mean().item(), 4) if len(reach) else nan
+        out["confident"] = round(sure.float().mean().item(), 4) if len(reach) else nan
+        out["p_run_ge_1_confident"] = round(first[sure].mean().item(), 4) if sure.any() else nan
     return out

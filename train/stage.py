@@ -65,7 +65,7 @@ from maverick.cli import (
 from maverick.model import Llama4
 from maverick.target import default_target_path, load_target
 from train import answers as answer_file
-from train.acceptance import run_lengths, summarize, target_fields
+from train.acceptance import reach_of_runs, run_lengths, summarize, target_fields
 from train.dump import default_feature_layers
 from train.fastfit import Buckets, TimeSchedule, bucket_batches, dense_step_sums, target_batch, weighted_loss
 from train.fastgen import Conversation, FastGenerator
@@ -452,7 +452,9 @@ class Stage:
             runs = [
                 run_lengths(self.model, draft, p, x, steps, f) for (p, x), f in zip(pairs, fields[layers])
             ]
-            result["drafts"][name] = {"path": str(path)} | summarize(torch.cat(runs), steps)
+            result["drafts"][name] = {"path": str(path)} | summarize(
+                reach_of_runs(torch.cat(runs), steps), steps
+            )
         self.state["phases"]["score"] = result
         self.save_state()
 
