@@ -115,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     print(
         f"{'draft':48s} {'positions':>9s} | P(run >= i), i = 1..{args.steps} | tau(k): k = 1..{args.steps} | "
-        f"in vocab | confident: share, P(run >= 1)"
+        f"walked tau(k) | in vocab | confident: share, P(run >= 1)"
     )
     fields: dict[tuple[int, ...], list[dict[str, Tensor]]] = {}  # the target's forwards, per feature layers
     probs: list[Tensor] = []  # target_probs per answer: the same whatever the draft
@@ -136,10 +136,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             else:
                 reach.append(sampled_reach(model, draft, p, a, args.steps, sampling, f))
             details.append(target_detail(draft, p, a, args.steps, f, tp, sampled=not sampling.greedy))
-        s = summarize(torch.cat(reach), args.steps, _cat(details))
+        s = summarize(reach, args.steps, _cat(details))
         s["categories"] = {
             c: summarize(
-                torch.cat([r for r, c2 in zip(reach, categories) if c2 == c]),
+                [r for r, c2 in zip(reach, categories) if c2 == c],
                 args.steps,
                 _cat([d for d, c2 in zip(details, categories) if c2 == c]),
             )
@@ -148,17 +148,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         result["drafts"][path] = s
         print(
             f"{path[-48:]:48s} {s['positions']:9d} | {' '.join(f'{v:.3f}' for v in s['p_run_ge'])} | "
-            f"{' '.join(f'{v:.3f}' for v in s['tau'].values())} | {s['in_vocab']:8.3f} | "
+            f"{' '.join(f'{v:.3f}' for v in s['tau'].values())} | "
+            f"{' '.join(f'{v:.3f}' for v in s['tau_walked'].values())} | {s['in_vocab']:8.3f} | "
             f"{s['confident']:.3f}, {s['p_run_ge_1_confident']:.3f}",
             flush=True,
         )
     if len(set(categories)) > 1:
         k = args.steps
-        print(f"\nper category: P(run >= 1) / tau(k = {k}) / in vocab, one column per draft")
+        print(f"\nper category: P(run >= 1) / tau(k = {k}) / walked / in vocab, one column per draft")
         for c in dict.fromkeys(categories):
             cells = [result["drafts"][path]["categories"][c] for path in args.draft]
             row = "  ".join(
-                f"{s['p_run_ge'][0]:.3f} / {s['tau'][k]:.3f} / {s['in_vocab']:.3f}" for s in cells
+                f"{s['p_run_ge'][0]:.3f} / {s['tau'][k]:.3f} / {s['tau_walked'][k]:.3f} / {s['in_vocab']:.3f}"
+                for s in cells
             )
             print(f"{c:14s} {cells[0]['positions']:6d}  {row}")
     if args.out is not None:

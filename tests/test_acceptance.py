@@ -24,6 +24,7 @@ from train.acceptance import (
     target_detail,
     target_fields,
     target_probs,
+    walk,
 )
 
 DRAFT = "eagle3/drafts/smollm2-135m-instruct"
@@ -42,20 +43,24 @@ def test_run_lengths_predict_each_cycle_of_a_decoding_run():
         assert answer == greedy_answers(model, [prompt], 48)[0][: len(answer)]
         run = run_lengths(model, draft, prompt, answer, steps)
         assert len(run) == len(answer) - steps  # indices P-1 .. P+len(answer)-2-steps
-        j = 0  # the cycle's start index minus (P - 1)
+        j, cycles, tokens = 0, 0, 0  # j: the cycle's start index minus (P - 1)
         for a in accepted:
             if j < len(run):
                 assert a == min(int(run[j]), k), (q, j, a, int(run[j]))
                 checked += 1
+                cycles, tokens = cycles + 1, tokens + a + 1
             j += a + 1
+        assert walk(reach_of_runs(run, steps), k) == (cycles, tokens)  # the greedy walk is the run itself
     assert checked >= 40 and sum(accepted) > 0  # enough cycles, some accepting
 
 
 def test_summarize_counts_runs():
-    s = summarize(reach_of_runs(torch.tensor([0, 1, 2, 5, 3, 0, 1, 4]), 5), 5)
+    s = summarize([reach_of_runs(torch.tensor([0, 1, 2, 5, 3, 0, 1, 4]), 5)], 5)
     assert s["positions"] == 8
     assert s["p_run_ge"] == [0.75, 0.5, 0.375, 0.25, 0.125]
     assert s["tau"][1] == 1.75 and s["tau"][3] == 1 + 0.75 + 0.5 + 0.375
+    # decoding at k = 2 starts cycles at 0 (run 0: 1 token), 1 (run 1: 2), 3 (run 5: 3) and 6 (run 1: 2)
+    assert s["tau_walked"][2] == 8 / 4 and s["tau"][2] == 2.25
 
 
 def test_target_detail_matches_the_target_logits_at_each_cycle_start():
@@ -92,7 +97,7 @@ def test_summarize_reports_the_vocabulary_ceiling_and_confident_positions():
         "in_vocab": torch.tensor([False, True, True, True, True, False]),
         "target_p": torch.tensor([0.95, 0.99, 0.5, 0.92, 0.3, 0.1]),
     }
-    s = summarize(reach_of_runs(runs, 3), 3, detail)
+    s = summarize([reach_of_runs(runs, 3)], 3, detail)
     assert s["in_vocab"] == round(4 / 6, 4)
     assert s["confident"] == 0.5  # 0.95, 0.99, 0.92
     assert s["p_run_ge_1_confident"] == round(1 / 3, 4)  # runs 0, 1, 0 there
@@ -137,37 +142,61 @@ def test_cli_keeps_the_targets_answers_and_reads_them_back(tmp_path, monkeypatch
     assert acceptance.main([*hot, "--seed", "1"])["answers_cached"] is None and len(generated) == 6
 
 
-# Sampled chains: N first cycles of SpecDecoder (k = 3) against the estimator's mean over N answers sampled
-# from the target; both are means of [0, 1] values, so by Hoeffding each is within sqrt(ln(2/delta) / 2N) =
-# 0.036 of P(run >= i) at delta = 1e-3, N = 3000: the two within 0.071.
-N_MC, K_MC, MC_BOUND = 3000, 3, 0.071
+# Sampled chains: N SpecDecoder runs (k = 3) against the estimator over N answers sampled from the target.
+# First cycles: both are means of [0, 1] values, so by Hoeffding each is within sqrt(ln(2/delta) / 2N) =
+# 0.036 of P(run >= i) at delta = 1e-3, N = 3000: the two within 0.071. Cycles started in the first
+# N_POS positions (the walk): within 5 standard errors of the difference of the two means (the samples'
+# own spreads, ~0.1 cycle).
+N_MC, K_MC, N_POS, MC_BOUND = 3000, 3, 8, 0.071
+
+
+def _cycles_started(accepted_rows: list[list[int]], rows: int, max_new: int, n: int) -> list[int]:
+    """Per row of a batched SpecDecoder run, the cycles that started at answer positions 0..n-1 (position j:
+    the cycle after the first j + 1 answer tokens). accepted_rows lists, per cycle, the rows still running."""
+    pos, cycles = [0] * rows, [0] * rows
+    for acc in accepted_rows:
+        live = [r for r in range(rows) if pos[r] + 1 < max_new]
+        assert len(live) == len(acc)
+        for r, a in zip(live, acc):
+            cycles[r] += pos[r] < n
+            pos[r] += a + 1
+    return cycles
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(1.0), SamplingParams(0.8, top_k=6, top_p=0.9)])
-def test_sampled_reach_predicts_the_first_cycles_of_sampled_decoding(sampling, monkeypatch):
+def test_sampled_reach_predicts_sampled_decoding(sampling, monkeypatch):
     """A tiny target and a random draft that keep ~70% / 42% / 25% of their tokens at temperature 1: the
     mean of `sampled_reach` at the first cycle's start over answers the target samples equals the share of
-    SpecDecoder runs whose first cycle keeps >= i tokens; a wrong rule (the chance that the draft proposes
+    SpecDecoder runs whose first cycle keeps >= i tokens, and `walk` over those answers the number of
+    cycles decoding starts in the first 8 positions; a wrong rule (the chance that the draft proposes
     the emitted token, q(x), instead of min(p, q) / p) misses by far more than the bound."""
     t = make_target(std=0.1, seed=5, vocab_size=16, eos_token_id=None)
     d = make_draft(t, std=0.1, seed=6)
-    prompt = [3, 7, 1, 9, 4]
+    prompt, L = [3, 7, 1, 9, 4], N_POS + K_MC  # answers of L tokens score N_POS positions
     g = SpecDecoder(t, d, max_len=32, policy=FixedK(K_MC)).generate(
-        [prompt] * N_MC, K_MC + 2, sampling=sampling, generator=torch.Generator().manual_seed(0)
+        [prompt] * N_MC, L + 1, sampling=sampling, generator=torch.Generator().manual_seed(0)
     )
-    first = torch.tensor(g.stats["spec"].accepted_rows[0])  # every row's first cycle
+    acc = g.stats["spec"].accepted_rows
+    first = torch.tensor(acc[0])  # every row's first cycle
     decoded = torch.stack([(first >= i).float().mean() for i in range(1, K_MC + 1)])
-    answers = greedy_answers(t, [prompt] * N_MC, K_MC + 2, batch_size=N_MC, sampling=sampling, seed=1)
-    reach = sampled_reach_rows(t, d, prompt, answers, K_MC, sampling)  # [N, 2 positions, K]
-    assert reach.shape == (N_MC, 2, K_MC)
+    cycles = torch.tensor(_cycles_started(acc, N_MC, L + 1, N_POS), dtype=torch.float)
+    answers = greedy_answers(t, [prompt] * N_MC, L, batch_size=N_MC, sampling=sampling, seed=1)
+    reach = sampled_reach_rows(t, d, prompt, answers, K_MC, sampling)  # [N, positions, K]
+    assert reach.shape == (N_MC, N_POS, K_MC)
     estimated = reach[:, 0].mean(0)
     assert decoded[0] > 0.3 and decoded[1] > 0.05  # the chains keep tokens past the first
     assert (estimated - decoded).abs().max() < MC_BOUND, (decoded, estimated)
+    walked = torch.tensor([walk(r, K_MC)[0] for r in reach])
+    bound = 5 * (cycles.var() / N_MC + walked.var() / N_MC).sqrt()
+    assert abs(walked.mean() - cycles.mean()) < bound, (cycles.mean(), walked.mean(), bound)
+    assert bound < 0.2 and cycles.mean() < N_POS - 1  # a tight check, of runs that skip positions
     for a in answers[:3]:  # one answer at a time gives the batch's numbers
         assert torch.allclose(
             sampled_reach(t, d, prompt, a, K_MC, sampling), reach[answers.index(a)], atol=1e-5
         )
+    assert sampled_reach(t, d, prompt, answers[0][:K_MC], K_MC, sampling).shape == (0, K_MC)  # no position
 
     monkeypatch.setattr(acceptance_mod, "kept", lambda q, p: q)
-    wrong = sampled_reach_rows(t, d, prompt, answers, K_MC, sampling)[:, 0].mean(0)
-    assert (wrong - decoded).abs().max() > MC_BOUND
+    wrong = sampled_reach_rows(t, d, prompt, answers, K_MC, sampling)
+    assert (wrong[:, 0].mean(0) - decoded).abs().max() > MC_BOUND
+    assert abs(torch.tensor([walk(r, K_MC)[0] for r in wrong]).mean() - cycles.mean()) > bound

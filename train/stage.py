@@ -449,12 +449,11 @@ class Stage:
             layers = tuple(draft.config.feature_layers)
             if layers not in fields:
                 fields[layers] = [target_fields(self.model, p, x, layers) for p, x in pairs]
-            runs = [
-                run_lengths(self.model, draft, p, x, steps, f) for (p, x), f in zip(pairs, fields[layers])
+            reach = [
+                reach_of_runs(run_lengths(self.model, draft, p, x, steps, f), steps)
+                for (p, x), f in zip(pairs, fields[layers])
             ]
-            result["drafts"][name] = {"path": str(path)} | summarize(
-                reach_of_runs(torch.cat(runs), steps), steps
-            )
+            result["drafts"][name] = {"path": str(path)} | summarize(reach, steps)
         self.state["phases"]["score"] = result
         self.save_state()
 
