@@ -10,6 +10,8 @@ This module is the command line.
 
 At temperature > 0 (with --top-k / --top-p as decoding takes them) the target's answers are drawn with that
 rule, and each position counts the probability that a sampled chain keeps its draft tokens there.
+`--turns 2` scores MT-bench's second turns too, each asked after the target's own first answer (as text in
+the chat, as eval.bench asks it), pooled with the first and shown per turn.
 
 The target's answers do not depend on the drafts, and generating them is most of a run (101 of 148 s for
 MT-bench's 80 on 2 cores), so they are kept in `.cache/answers/`, keyed by everything they depend on (the
@@ -33,7 +35,7 @@ import torch
 from torch import Tensor
 
 from eagle3.draft import check_draft_fits, load_draft
-from eval.prompts import BENCHMARKS, check_prompts_option, load_benchmark
+from eval.prompts import BENCHMARKS, answer_text, chat_ids, check_prompts_option, load_benchmark
 from eval.report import atomic_write_bytes
 from maverick.aot import cpu_name
 from maverick.cli import UserError, add_threads_option, output_file, positive_int, run_cli
@@ -45,7 +47,6 @@ from maverick.target import (
     load_target_tokenizer,
     target_identity,
 )
-from maverick.tokenizer import encode_chat
 from train.acceptance import (
     greedy_answers,
     reach_of_runs,
@@ -61,13 +62,16 @@ from train.acceptance import (
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(
         prog="python -m eval.acceptance",
-        description="Teacher-forced chain acceptance of EAGLE-3 drafts on a benchmark's first turns: greedy, "
-        "or sampled with --temperature > 0 (the target's answers drawn with the same rule).",
+        description="Teacher-forced chain acceptance of EAGLE-3 drafts on a benchmark's prompts (first turns, "
+        "or --turns 2): greedy, or sampled with --temperature > 0 (the target's answers drawn with the same rule).",
     )
     ap.add_argument("--draft", action="append", required=True, help="draft directory (repeat to compare)")
     ap.add_argument("--bench", choices=BENCHMARKS, default="mtbench")
     ap.add_argument("--prompts", default=None, help="JSONL of prompts for --bench jsonl")
     ap.add_argument("--n", type=positive_int, default=80, help="number of prompts")
+    ap.add_argument("--turns", type=positive_int, default=1,
+                    help="turns scored per prompt, pooled (MT-bench has 2); each after the target's own earlier "
+                    "answers, as eval.bench runs them")  # fmt: skip
     ap.add_argument("--max-new-tokens", type=positive_int, default=128)
     ap.add_argument("--steps", type=positive_int, default=5, help="draft positions scored")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
@@ -93,26 +97,48 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for draft in drafts.values():
         check_draft_fits(draft.config, model.config, draft.source)
     bench = load_benchmark(args.bench, args.n, args.prompts)
-    prompts = first_turns(tok, bench)
-    categories = [p.get("category", args.bench) for p in bench]
     t0 = time.perf_counter()
     target = args.target or default_target_path()
-    answers, cache = target_answers(
-        model, target, args.dtype, prompts, args.max_new_tokens, args.fresh_answers, sampling, args.seed
-    )
+    rule = "greedy" if sampling.greedy else f"sampled: {describe(sampling)}, seed {args.seed}"
+    # every scored answer, all turns pooled: its prompt ids, answer, category and turn (1-based)
+    prompts: list[list[int]] = []
+    answers: list[list[int]] = []
+    categories: list[str] = []
+    turn_of: list[int] = []
+    turns: list[dict[str, Any]] = []
+    # each prompt's answers so far, as the next turn's chat holds them
+    texts: list[list[str]] = [[] for _ in bench]
+    for turn in range(args.turns):
+        idx = [i for i, p in enumerate(bench) if len(p["turns"]) > turn]
+        if not idx:
+            break
+        ids = [chat_ids(tok, bench[i], turn, texts[i]) for i in idx]
+        got, cache = target_answers(
+            model, target, args.dtype, ids, args.max_new_tokens, args.fresh_answers, sampling, args.seed
+        )
+        for i, a in zip(idx, got):
+            texts[i].append(answer_text(tok, a, model.config.eos_ids))
+        prompts += ids
+        answers += got
+        categories += [bench[i].get("category", args.bench) for i in idx]
+        turn_of += [turn + 1] * len(idx)
+        turns.append(
+            {"turn": turn + 1, "prompts": len(idx), "answer_tokens": sum(map(len, got)),
+             "answers_cached": str(cache) if cache else None}
+        )  # fmt: skip
+        where = f", read from {cache}" if cache else ""
+        print(
+            f"{len(idx)} {args.bench} prompts, turn {turn + 1}: {turns[-1]['answer_tokens']} answer tokens "
+            f"({args.dtype}, {rule}{where})"
+        )
     result: dict[str, Any] = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "answer_tokens": sum(map(len, answers)),
         "answer_seconds": round(time.perf_counter() - t0, 1),
-        "answers_cached": str(cache) if cache else None,
+        "answers_cached": turns[0]["answers_cached"],
+        "turns": turns,
         "drafts": {},
     }
-    where = f", read from {cache}" if cache else ""
-    rule = "greedy" if sampling.greedy else f"sampled: {describe(sampling)}, seed {args.seed}"
-    print(
-        f"{len(prompts)} {args.bench} prompts, {result['answer_tokens']} answer tokens ({args.dtype}, "
-        f"{rule}{where})"
-    )
     print(
         f"{'draft':48s} {'positions':>9s} | P(run >= i), i = 1..{args.steps} | tau(k): k = 1..{args.steps} | "
         f"walked tau(k) | in vocab | confident: share, P(run >= 1)"
@@ -136,15 +162,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             else:
                 reach.append(sampled_reach(model, draft, p, a, args.steps, sampling, f))
             details.append(target_detail(draft, p, a, args.steps, f, tp, sampled=not sampling.greedy))
-        s = summarize(reach, args.steps, _cat(details))
+
+        s = _part(reach, details, [True] * len(reach), args.steps)
         s["categories"] = {
-            c: summarize(
-                [r for r, c2 in zip(reach, categories) if c2 == c],
-                args.steps,
-                _cat([d for d, c2 in zip(details, categories) if c2 == c]),
-            )
+            c: _part(reach, details, [c2 == c for c2 in categories], args.steps)
             for c in dict.fromkeys(categories)
         }
+        if len(turns) > 1:
+            s["turns"] = {
+                t["turn"]: _part(reach, details, [t2 == t["turn"] for t2 in turn_of], args.steps)
+                for t in turns
+            }
         result["drafts"][path] = s
         print(
             f"{path[-48:]:48s} {s['positions']:9d} | {' '.join(f'{v:.3f}' for v in s['p_run_ge'])} | "
@@ -153,16 +181,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f"{s['confident']:.3f}, {s['p_run_ge_1_confident']:.3f}",
             flush=True,
         )
-    if len(set(categories)) > 1:
-        k = args.steps
-        print(f"\nper category: P(run >= 1) / tau(k = {k}) / walked / in vocab, one column per draft")
-        for c in dict.fromkeys(categories):
-            cells = [result["drafts"][path]["categories"][c] for path in args.draft]
+    k = args.steps
+    for title, key, names in (
+        ("category", "categories", list(dict.fromkeys(categories)) if len(set(categories)) > 1 else []),
+        ("turn", "turns", [t["turn"] for t in turns] if len(turns) > 1 else []),
+    ):
+        if not names:
+            continue
+        print(f"\nper {title}: P(run >= 1) / tau(k = {k}) / walked / in vocab, one column per draft")
+        for c in names:
+            cells = [result["drafts"][path][key][c] for path in args.draft]
             row = "  ".join(
                 f"{s['p_run_ge'][0]:.3f} / {s['tau'][k]:.3f} / {s['tau_walked'][k]:.3f} / {s['in_vocab']:.3f}"
                 for s in cells
             )
-            print(f"{c:14s} {cells[0]['positions']:6d}  {row}")
+            print(f"{str(c):14s} {cells[0]['positions']:6d}  {row}")
     if args.out is not None:
         atomic_write_bytes(args.out, (json.dumps(result, indent=1) + "\n").encode())
     return result
@@ -173,14 +206,7 @@ ANSWERS_DIR = Path(__file__).resolve().parent.parent / ".cache" / "answers"
 
 def first_turns(tok, bench: list[dict]) -> list[list[int]]:
     """Each benchmark prompt's first user turn (after its system prompt, if any) as chat-template ids."""
-    return [
-        encode_chat(
-            tok,
-            ([{"role": "system", "content": p["system"]}] if "system" in p else [])
-            + [{"role": "user", "content": p["turns"][0]}],
-        )
-        for p in bench
-    ]
+    return [chat_ids(tok, p, 0, []) for p in bench]
 
 
 def target_answers(
@@ -247,6 +273,15 @@ def write_answers(path: Path, answers: list[list[int]]) -> None:
         atomic_write_bytes(path, json.dumps(answers).encode())
     except OSError:  # a read-only checkout: generated again next time
         pass
+
+
+def _part(
+    reach: list[Tensor], details: list[dict[str, Tensor]], keep: list[bool], steps: int
+) -> dict[str, Any]:
+    """`summarize` of the answers marked in `keep`."""
+    return summarize(
+        [r for r, k in zip(reach, keep) if k], steps, _cat([d for d, k in zip(details, keep) if k])
+    )
 
 
 def _cat(details: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:

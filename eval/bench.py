@@ -69,7 +69,7 @@ from eagle3.spec import SpecDecoder, TreeConfig
 from eagle3.tuner import DraftLengthTuner, FixedK
 from eval.distcheck import DistCheck, check_method
 from eval.llama_cpp import LlamaCpp, is_llama_cpp, require
-from eval.prompts import BENCHMARKS, check_prompts_option, load_benchmark
+from eval.prompts import BENCHMARKS, answer_text, chat_ids, check_prompts_option, load_benchmark
 from eval.report import (
     BOLD_RED,
     COMPILED_SUFFIX,
@@ -353,15 +353,6 @@ def compiled_engine(target, draft, args):
     return engine
 
 
-def build_prompts(tok, prompt: dict, turn: int, answers: list[str]) -> list[int]:
-    msgs = [{"role": "system", "content": prompt["system"]}] if prompt.get("system") else []
-    for i in range(turn + 1):
-        msgs.append({"role": "user", "content": prompt["turns"][i]})
-        if i < turn:
-            msgs.append({"role": "assistant", "content": answers[i]})
-    return encode_chat(tok, msgs)
-
-
 def check_prompt_lengths(args, tok, prompts) -> None:
     """--long-prompts error: every turn of every prompt must fit --max-prompt-tokens, checked before any
     model runs; a later turn counts each earlier answer at its most, --max-new-tokens."""
@@ -369,7 +360,7 @@ def check_prompt_lengths(args, tok, prompts) -> None:
         return
     for prompt in prompts:
         for turn in range(min(args.turns, len(prompt["turns"]))):
-            n = len(build_prompts(tok, prompt, turn, [""] * turn)) + turn * args.max_new_tokens
+            n = len(chat_ids(tok, prompt, turn, [""] * turn)) + turn * args.max_new_tokens
             if n > args.max_prompt_tokens:
                 answers = f" with {turn} answer(s) of up to {args.max_new_tokens} tokens" if turn else ""
                 raise UserError(
@@ -603,9 +594,9 @@ def run_prompt(i, prompt, methods, runners, args, tok, eos, cut, bar) -> list[Ru
         answers: list[str] = []
         for turn in range(min(args.turns, len(prompt["turns"]))):
             where = f"{m}: prompt {prompt['id']} turn {turn + 1}"
-            ids = fit_prompt(build_prompts(tok, prompt, turn, answers), args, where, cut)
+            ids = fit_prompt(chat_ids(tok, prompt, turn, answers), args, where, cut)
             new, st = runners[m].run(ids, args.max_new_tokens, gen)
-            answers.append(tok.decode([t for t in new if t not in eos], skip_special_tokens=True))
+            answers.append(answer_text(tok, new, eos))
             records.append(
                 RunRecord(
                     method=m,
@@ -759,7 +750,7 @@ def distribution_checks(args, methods, prompts, tok, targets, draft) -> list[Dis
         total=len(ours) * min(args.dist_prompts, len(prompts)), desc="distribution check", file=sys.stderr
     )
     for prompt in prompts[: args.dist_prompts]:
-        ids = fit_prompt(build_prompts(tok, prompt, 0, []), args, f"prompt {prompt['id']}", [])
+        ids = fit_prompt(chat_ids(tok, prompt, 0, []), args, f"prompt {prompt['id']}", [])
         for m in ours:
             base = m.removesuffix(variant(m))
             t = targets[variant(m)]

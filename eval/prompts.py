@@ -20,10 +20,11 @@ from __future__ import annotations
 import gzip
 import json
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from maverick.cli import UserError, read_utf8
+from maverick.tokenizer import encode_chat
 from maverick.wheel_data import wheel_data_path
 from train.data import (
     DEFAULT_HELDOUT_FRACTION,
@@ -180,6 +181,22 @@ def load_jsonl_prompts(path: str | pathlib.Path) -> list[dict[str, Any]]:
     if not prompts:
         raise UserError(f"{path}: no prompts")
     return prompts
+
+
+def chat_ids(tok, prompt: Mapping[str, Any], turn: int, answers: list[str]) -> list[int]:
+    """The chat-template ids before the answer to a benchmark prompt's turn `turn` (0-based): its system
+    prompt if any, then each user turn with the answers given to the earlier ones (`answer_text`)."""
+    msgs = [{"role": "system", "content": prompt["system"]}] if prompt.get("system") else []
+    for i in range(turn + 1):
+        msgs.append({"role": "user", "content": prompt["turns"][i]})
+        if i < turn:
+            msgs.append({"role": "assistant", "content": answers[i]})
+    return encode_chat(tok, msgs)
+
+
+def answer_text(tok, ids: list[int], eos: Sequence[int]) -> str:
+    """An answer's ids as the text a next turn's chat carries (its stop tokens and special tokens dropped)."""
+    return tok.decode([t for t in ids if t not in eos], skip_special_tokens=True)
 
 
 def check_prompts_option(bench: str, prompts: str | None) -> None:

@@ -142,6 +142,36 @@ def test_cli_keeps_the_targets_answers_and_reads_them_back(tmp_path, monkeypatch
     assert acceptance.main([*hot, "--seed", "1"])["answers_cached"] is None and len(generated) == 6
 
 
+def test_cli_scores_second_turns_after_the_targets_own_first_answers(tmp_path, monkeypatch):
+    """--turns 2: each second turn is asked after the target's first answer (its text in the chat, as
+    eval.bench asks it); both turns pooled, and each on its own."""
+    from eval import acceptance
+    from eval.prompts import answer_text, chat_ids, load_benchmark
+
+    monkeypatch.setattr(acceptance, "ANSWERS_DIR", tmp_path / "answers")
+    asked = []
+    real = acceptance.greedy_answers
+
+    def recorded(model, prompts, *a, **kw):
+        answers = real(model, prompts, *a, **kw)
+        asked.append((prompts, answers))
+        return answers
+
+    monkeypatch.setattr(acceptance, "greedy_answers", recorded)
+    argv = ["--draft", DRAFT, "--n", "2", "--max-new-tokens", "12", "--steps", "3", "--turns", "2"]
+    r = acceptance.main(argv)
+    (first, answers), (second, _) = asked
+    tok = load_tokenizer()
+    bench = load_benchmark("mtbench", 2)
+    eos = [2]  # SmolLM2's <|im_end|>, the target config's eos_ids
+    assert first == [chat_ids(tok, p, 0, []) for p in bench]
+    assert second == [chat_ids(tok, p, 1, [answer_text(tok, a, eos)]) for p, a in zip(bench, answers)]
+    s = r["drafts"][DRAFT]
+    assert [t["turn"] for t in r["turns"]] == [1, 2] and set(s["turns"]) == {1, 2}
+    assert s["turns"][1]["positions"] + s["turns"][2]["positions"] == s["positions"] > 0
+    assert acceptance.main(argv)["drafts"] == r["drafts"]  # both turns' answers read back
+
+
 # Sampled chains: N SpecDecoder runs (k = 3) against the estimator over N answers sampled from the target.
 # First cycles: both are means of [0, 1] values, so by Hoeffding each is within sqrt(ln(2/delta) / 2N) =
 # 0.036 of P(run >= i) at delta = 1e-3, N = 3000: the two within 0.071. Cycles started in the first
