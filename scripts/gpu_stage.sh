@@ -101,7 +101,7 @@ run() {
   set +e
   timeout --signal=INT "$limit" "${DEVICE_PYTHON:-python3}" -m train.stage --minutes "$minutes" --init-draft "${INIT:-$INIT_DRAFT}" \
     --out "$STAGE/out" --target "$STAGE/payload/$GGUF_NAME" --data "$STAGE/payload/data.jsonl.xz" \
-    ${STAGE_ARGS---max-answers-mib 30} 2>&1 | tee "$OUT/stage.log"
+    ${STAGE_ARGS---max-answers-mib 30 --profile-steps 8} 2>&1 | tee "$OUT/stage.log"
   local rc=${PIPESTATUS[0]}
   set -e
   echo "train.stage exit status $rc" | tee -a "$OUT/stage.log"

@@ -265,3 +265,49 @@ def test_grow_vocab_stage_carries_the_draft_and_resumes_only_grown(tmp_path, mon
     with pytest.raises(StageError, match="--grow-vocab 100: the init draft has 128 tokens"):
         run(target, data, tmp_path / "s5", "--init-draft", str(s1), "--grow-vocab", "100")
     assert not (tmp_path / "s5" / ANSWERS).exists()  # refused before any regeneration
+
+
+def test_profile_steps_write_what_bounds_each_phase(tmp_path, monkeypatch):
+    """--profile-steps N: N decode steps and N training steps (after the first PROFILE_SKIP) profiled, their
+    per-step wall time and top ops in stage.json; ops that run every step are among them."""
+    import train.stage
+
+    torch.set_num_threads(1)
+    monkeypatch.setattr(train.stage, "PROFILE_SKIP", 2)
+    target, data = make_data(tmp_path)
+    s = run(target, data, tmp_path / "p", "--profile-steps", "3", "--max-conversations", "6")
+    for phase in ("regen", "train"):
+        prof = s["phases"][phase]["profile"]
+        assert prof["steps"] == 3 and prof["wall_ms"] > 0 and prof["cpu_ms"] > 0, (phase, prof)
+        names = [o["name"] for o in prof["ops"]]
+        assert len(names) == 15 and all(o["self_cpu_ms"] >= 0 for o in prof["ops"])
+        assert any(n.startswith(("aten::mm", "aten::addmm", "aten::bmm", "aten::linear")) for n in names), (
+            names
+        )
+    assert "profile" not in run(target, data, tmp_path / "q", "--max-conversations", "2")["phases"]["regen"]
+
+
+def test_a_failing_profiler_reports_and_never_stops_the_loop(monkeypatch):
+    """No CUPTI on a lent machine must not cost its minutes: the profiler turns itself off and says why."""
+    import train.profiling as tp
+
+    class Broken:
+        def __init__(self, *a, **kw):
+            pass
+
+        def start(self):
+            pass
+
+        def step(self):
+            raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")
+
+        def stop(self):
+            raise AssertionError("not reached: the profiler is off after its error")
+
+    monkeypatch.setattr(tp, "profile", Broken)
+    prof = tp.StepProfiler(2, 3, torch.device("cpu"))
+    for _ in range(10):
+        prof.step()
+    assert prof.summary() == {"error": "RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"}
+    assert "failed" in tp.describe("decode", prof.summary())
+    assert tp.StepProfiler(2, 0, torch.device("cpu")).summary() is None  # off

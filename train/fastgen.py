@@ -197,10 +197,12 @@ class FastGenerator:
         on_done: Callable[[Answered], None],
         deadline: float | None = None,
         stop: Callable[[], bool] | None = None,
+        on_step: Callable[[], None] | None = None,
     ) -> GenStats:
         """Answer every conversation (on_done gets each finished one, in finishing order) or stop at
         `deadline` (time.perf_counter() value) or when `stop()` (asked after each finished conversation)
-        says so: conversations still running then are dropped, not reported (a rerun redoes them)."""
+        says so: conversations still running then are dropped, not reported (a rerun redoes them).
+        `on_step()` is called after each batched decode step (train/profiling.py's StepProfiler.step)."""
         B, max_new, max_len = self.B, self.max_new, self.max_len
         stats = GenStats()
         t0 = time.perf_counter()
@@ -293,6 +295,8 @@ class FastGenerator:
             stats.steps += 1
             lengths += decoding
             self._record(np.flatnonzero(decoding).tolist(), out, count)
+            if on_step is not None:
+                on_step()
         stats.seconds = time.perf_counter() - t0
         return stats
 

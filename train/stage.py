@@ -70,12 +70,16 @@ from train.dump import default_feature_layers
 from train.fastfit import Buckets, TimeSchedule, bucket_batches, dense_step_sums, target_batch, weighted_loss
 from train.fastgen import Conversation, FastGenerator
 from train.fit import EAGLE31, _append_jsonl, _truncate_log, grow_vocab, init_from_draft, plot_curves
+from train.profiling import StepProfiler
+from train.profiling import describe as describe_profile
 from train.samples import draft_vocab_from
 
 ANSWERS = "answers.jsonl.xz"
 STATE = "stage.json"
 TRAIN_STATE = "train_state.pt"
 LOG = "train_log.jsonl"
+# steps before --profile-steps records: the CUDA graphs' first replays, the first buckets' compilation
+PROFILE_SKIP = 20
 
 
 class StageError(UserError):
@@ -204,7 +208,11 @@ class Stage:
             graphs=None if a.graphs else False,
         )
         convs = (Conversation(r["id"], _continued(r) if r["id"] in cont else r["prompts"]) for r in todo)
-        stats = gen.run(convs, on_done, deadline=deadline, stop=stop)
+        prof = StepProfiler(PROFILE_SKIP, a.profile_steps, self.device)
+        stats = gen.run(convs, on_done, deadline=deadline, stop=stop, on_step=prof.step)
+        profiled = prof.summary()
+        if a.profile_steps:
+            print(describe_profile("regeneration: decode step", profiled), flush=True)
         flush()
         writer.shutdown(wait=True)
         for w in writes:
@@ -231,6 +239,8 @@ class Stage:
             "capture_seconds": round(capture, 1),
             "cut_off_bytes_dropped": dropped,
         }
+        if a.profile_steps:
+            self.state["phases"]["regen"]["profile"] = profiled
         self.save_state()
 
     # ---- 2. training ----
@@ -338,6 +348,7 @@ class Stage:
         start_step, t_run, t_ck = step, time.perf_counter(), time.perf_counter()
         sums = torch.zeros(3, a.ttt_steps, device=dev)
         n_log, tok_log, t_log = 0, 0, time.perf_counter()
+        prof = StepProfiler(PROFILE_SKIP, a.profile_steps, dev)
 
         def save_ck() -> None:
             st = {"draft": draft.state_dict(), "optimizer": opt.state_dict(), "step": step, "epoch": epoch,
@@ -362,6 +373,7 @@ class Stage:
                 g["lr"] = lr
             opt.step()
             opt.zero_grad(set_to_none=True)
+            prof.step()
             n_tok = sum(min(T, lengths[i]) for i in ix)
             tokens += n_tok
             tok_log += n_tok
@@ -387,6 +399,9 @@ class Stage:
                 t_ck = time.perf_counter()
         seconds = spent + time.perf_counter() - t_run
         ran = time.perf_counter() - t_run
+        profiled = prof.summary()
+        if a.profile_steps:
+            print(describe_profile("training: step", profiled), flush=True)
         # the shipped format: bf16 weights (the fp32 master copy only lives in train_state.pt)
         info = json.dumps({"stage": str(self.out), "steps": step, "tokens": tokens}, indent=1)
         bf16 = copy.deepcopy(draft).to(torch.bfloat16)  # save_draft writes it from the CPU
@@ -411,6 +426,8 @@ class Stage:
             "lr": a.lr, "token_budget": a.token_budget, "bucket": a.bucket, "max_length": a.max_length,
             "ttt_steps": a.ttt_steps, "precision": a.precision, "compile": a.compile,
         }  # fmt: skip
+        if a.profile_steps:
+            self.state["phases"]["train"]["profile"] = profiled
         self.save_state()
         ck.unlink(missing_ok=True)
 
@@ -563,6 +580,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="EAGLE-3.1's norms (each aux-layer feature before fc, the output); an --init-draft "
                    "without them is carried over, fc_norm starting at its features' scale")  # fmt: skip
     s = p.add_argument_group("scoring")
+    s.add_argument("--profile-steps", type=nonnegative_int, default=0,
+                   help=f"profile this many decode steps and training steps (after the first {PROFILE_SKIP} of "
+                   "each) with torch.profiler: per-step wall, device and top-op times into stage.json (0: off)")  # fmt: skip
     s.add_argument("--score-share", type=share, default=0.08, help="budget share kept for scoring")
     s.add_argument("--heldout", type=nonnegative_int, default=64, help="held-out conversations scored")
     s.add_argument("--score-new-tokens", type=positive_int, default=128)
