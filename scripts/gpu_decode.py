@@ -15,7 +15,9 @@ Methods (each on --n MT-bench first turns, --max-new-tokens tokens, alternating 
 eager-plain, eager-eagle3 (tuned draft length + prompt lookup), compiled-plain (maverick/compiled.py,
 CUDA graphs), compiled-eagle3 (the same on the compiled target, the draft step compiled with CUDA graphs).
 Compile seconds are reported apart from the decoding time. A method that fails is reported with its error
-and the others still run.
+and the others still run. After them, --profile N (default 10) profiles N decode steps of each plain method
+and N cycles of each speculative one (train/profiling.py): where the remaining time per step goes, into the
+JSON's `profile`.
 
 --tree-check measures, before the methods, whether tree verifies on the compiled engine give every node
 the bits of its path verified as a chain and decoded token by token (`maverick.compiled.tree_mismatches`:
@@ -39,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from eval.bench_engine import alternating, measure, prompt_ids, spec_decoder, summarize  # noqa: E402
+from train.profiling import describe as describe_profile  # noqa: E402
 
 GL = ROOT / ".gl"
 
@@ -65,6 +68,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="4,8,16,24", help="the engine's buckets (CUDA runs the largest only)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script's logic")
     ap.add_argument("--tree-check", action="store_true", help="tree nodes' bits on the compiled engine first")
+    ap.add_argument("--profile", type=int, default=10,
+                    help="after the methods, profile this many decode steps (cycles) of each (0: off)")  # fmt: skip
     ap.add_argument("--out", default=os.environ.get("OUT", "results/gpu"))
     args = ap.parse_args(argv)
     if args.prepare:
@@ -147,6 +152,17 @@ def main(argv=None) -> int:
             errors[m] = traceback.format_exc(limit=8)
     summary = summarize({m: rs for m, rs in runs.items() if m not in errors and rs})
     result |= {"summary": summary, "errors": errors}
+    if args.profile:
+        result["profile"] = {}
+        for m, dec in decoders.items():
+            if m in errors:
+                continue
+            try:
+                result["profile"][m] = profile_method(dec, prompts[0], args.profile, dev)
+                unit = "step" if m.endswith("plain") else "cycle"
+                print(describe_profile(m, result["profile"][m], unit), flush=True)
+            except Exception:
+                errors[f"profile {m}"] = traceback.format_exc(limit=8)
     (out / "gpu_decode.json").write_text(json.dumps(result, indent=1))
     for m, r in summary.items():
         share = f"{100 * r['draft_share']:.1f}%" if "draft_share" in r else "-"
@@ -155,6 +171,21 @@ def main(argv=None) -> int:
         print(f"ERROR {m}: {e.strip().splitlines()[-1]}")
     print(json.dumps({m: round(r["tok_s"], 1) for m, r in summary.items()}))
     return 0 if not errors else 1
+
+
+def profile_method(decoder, ids: list[int], steps: int, device: str) -> dict | None:
+    """torch.profiler over `steps` decode steps (plain) or cycles (speculative) of one generation, after 5
+    unrecorded ones (train/profiling.py): per step, wall and device milliseconds and the top ops. Stop tokens
+    are ignored so that the generation lasts."""
+    from eagle3.spec import SpecDecoder
+    from train.profiling import StepProfiler
+
+    prof = StepProfiler(5, steps, torch.device(device))
+    if isinstance(decoder, SpecDecoder):
+        decoder.generate([ids], 5 + steps + 8, None, (), on_cycle=lambda _: prof.step())
+    else:
+        decoder.generate([ids], 5 + steps + 8, None, (), on_tokens=lambda _: prof.step())
+    return prof.summary()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ The summary's two numbers per step say which side bounds it: `device_ms` (the ke
 host (Python, launches, syncs) bounds the loop; close to it: the GPU does. On a CPU `device_ms` is absent
 and the ops' own CPU time tells where the step goes. The top ops follow, by their own (self) time;
 `ProfilerStep*` is the step's host time outside every op (Python between the ops). `wall_ms` counts
-whatever ran between two `step()` calls: a prefill between two decode steps too.
+whatever ran between two `step()` calls (a prefill between two decode steps too), under the profiler: its
+own cost per op is in it (on a CPU a SmolLM2 decode step takes ~2.5x as long profiled), so compare the
+shares within a profile, not its wall time with an unprofiled run's.
 """
 
 from __future__ import annotations
@@ -116,8 +118,8 @@ class StepProfiler:
         return out
 
 
-def describe(name: str, s: dict[str, Any] | None) -> str:
-    """A few lines for a log: the per-step times and the top 5 ops."""
+def describe(name: str, s: dict[str, Any] | None, unit: str = "step") -> str:
+    """One line for a log: the times per recorded step (or cycle: `unit`) and the top 5 ops."""
     if s is None:
         return f"{name} profile: the phase ended before the recorded steps"
     if "error" in s:
@@ -125,4 +127,7 @@ def describe(name: str, s: dict[str, Any] | None) -> str:
     dev = f", device {s['device_ms']:.2f} ms" if "device_ms" in s else ""
     key = "self_device_ms" if "device_ms" in s else "self_cpu_ms"
     top = "; ".join(f"{o['name']} {o[key]:.2f}" for o in s["ops"][:5])
-    return f"{name} profile, per step over {s['steps']}: wall {s['wall_ms']:.2f} ms{dev}, top ops (ms): {top}"
+    return (
+        f"{name} profile over {s['steps']} {unit}s, per {unit}: wall {s['wall_ms']:.2f} ms{dev}, "
+        f"top ops (ms): {top}"
+    )

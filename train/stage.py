@@ -212,7 +212,7 @@ class Stage:
         stats = gen.run(convs, on_done, deadline=deadline, stop=stop, on_step=prof.step)
         profiled = prof.summary()
         if a.profile_steps:
-            print(describe_profile("regeneration: decode step", profiled), flush=True)
+            print(describe_profile("regeneration", profiled, "decode step"), flush=True)
         flush()
         writer.shutdown(wait=True)
         for w in writes:
@@ -401,7 +401,7 @@ class Stage:
         ran = time.perf_counter() - t_run
         profiled = prof.summary()
         if a.profile_steps:
-            print(describe_profile("training: step", profiled), flush=True)
+            print(describe_profile("training", profiled), flush=True)
         # the shipped format: bf16 weights (the fp32 master copy only lives in train_state.pt)
         info = json.dumps({"stage": str(self.out), "steps": step, "tokens": tokens}, indent=1)
         bf16 = copy.deepcopy(draft).to(torch.bfloat16)  # save_draft writes it from the CPU
