@@ -48,7 +48,7 @@ from maverick.target import (
     target_identity,
 )
 from train.acceptance import (
-    greedy_answers,
+    answers_of,
     reach_of_runs,
     run_lengths,
     sampled_reach,
@@ -226,7 +226,7 @@ def target_answers(
     answers = None if fresh else read_answers(path, len(prompts))
     if answers is not None:
         return answers, path
-    answers = greedy_answers(model, prompts, max_new_tokens, sampling=sampling, seed=seed)
+    answers = answers_of(model, prompts, max_new_tokens, sampling=sampling, seed=seed)
     write_answers(path, answers)
     return answers, None
 

@@ -15,7 +15,7 @@ from maverick.sampling import SamplingParams
 from maverick.tokenizer import encode_chat, load_tokenizer
 from train import acceptance as acceptance_mod
 from train.acceptance import (
-    greedy_answers,
+    answers_of,
     reach_of_runs,
     run_lengths,
     sampled_reach,
@@ -40,7 +40,7 @@ def test_run_lengths_predict_each_cycle_of_a_decoding_run():
         prompt = encode_chat(tok, [{"role": "user", "content": q}])
         g = SpecDecoder(model, draft, max_len=256, policy=FixedK(k)).generate([prompt], 48)
         answer, accepted = g.tokens[0], g.stats["spec"].accepted
-        assert answer == greedy_answers(model, [prompt], 48)[0][: len(answer)]
+        assert answer == answers_of(model, [prompt], 48)[0][: len(answer)]
         run = run_lengths(model, draft, prompt, answer, steps)
         assert len(run) == len(answer) - steps  # indices P-1 .. P+len(answer)-2-steps
         j, cycles, tokens = 0, 0, 0  # j: the cycle's start index minus (P - 1)
@@ -69,7 +69,7 @@ def test_target_detail_matches_the_target_logits_at_each_cycle_start():
     model, tok = load_gguf_model(dtype=torch.float32), load_tokenizer()
     draft = load_draft(DRAFT, dtype=torch.float32)
     prompt = encode_chat(tok, [{"role": "user", "content": "Name the planets of the solar system."}])
-    answer = greedy_answers(model, [prompt], 40)[0]
+    answer = answers_of(model, [prompt], 40)[0]
     steps = 3
     f = target_fields(model, prompt, answer, draft.config.feature_layers)
     d = target_detail(draft, prompt, answer, steps, f, target_probs(model, prompt, answer, steps, f))
@@ -111,13 +111,13 @@ def test_cli_keeps_the_targets_answers_and_reads_them_back(tmp_path, monkeypatch
 
     monkeypatch.setattr(acceptance, "ANSWERS_DIR", tmp_path / "answers")
     generated = []
-    real = acceptance.greedy_answers
+    real = acceptance.answers_of
 
     def counted(*a, **kw):
         generated.append(1)
         return real(*a, **kw)
 
-    monkeypatch.setattr(acceptance, "greedy_answers", counted)
+    monkeypatch.setattr(acceptance, "answers_of", counted)
     draft = "eagle3/drafts/smollm2-135m-instruct"
     argv = ["--draft", draft, "--n", "2", "--max-new-tokens", "12", "--steps", "3"]
     first = acceptance.main(argv)
@@ -150,14 +150,14 @@ def test_cli_scores_second_turns_after_the_targets_own_first_answers(tmp_path, m
 
     monkeypatch.setattr(acceptance, "ANSWERS_DIR", tmp_path / "answers")
     asked = []
-    real = acceptance.greedy_answers
+    real = acceptance.answers_of
 
     def recorded(model, prompts, *a, **kw):
         answers = real(model, prompts, *a, **kw)
         asked.append((prompts, answers))
         return answers
 
-    monkeypatch.setattr(acceptance, "greedy_answers", recorded)
+    monkeypatch.setattr(acceptance, "answers_of", recorded)
     argv = ["--draft", DRAFT, "--n", "2", "--max-new-tokens", "12", "--steps", "3", "--turns", "2"]
     r = acceptance.main(argv)
     (first, answers), (second, _) = asked
@@ -210,7 +210,7 @@ def test_sampled_reach_predicts_sampled_decoding(sampling, monkeypatch):
     first = torch.tensor(acc[0])  # every row's first cycle
     decoded = torch.stack([(first >= i).float().mean() for i in range(1, K_MC + 1)])
     cycles = torch.tensor(_cycles_started(acc, N_MC, L + 1, N_POS), dtype=torch.float)
-    answers = greedy_answers(t, [prompt] * N_MC, L, batch_size=N_MC, sampling=sampling, seed=1)
+    answers = answers_of(t, [prompt] * N_MC, L, batch_size=N_MC, sampling=sampling, seed=1)
     reach = sampled_reach_rows(t, d, prompt, answers, K_MC, sampling)  # [N, positions, K]
     assert reach.shape == (N_MC, N_POS, K_MC)
     estimated = reach[:, 0].mean(0)

@@ -32,11 +32,11 @@ def test_answer_positions_predict_the_answer_tokens(monkeypatch):
     from eval.acceptance import first_turns
     from eval.prompts import load_benchmark
     from maverick.target import load_target, load_target_tokenizer
-    from train.acceptance import greedy_answers
+    from train.acceptance import answers_of
 
     model, tok = load_target(dtype=torch.bfloat16), load_target_tokenizer()
     prompts = first_turns(tok, load_benchmark("mtbench", 2))
-    answers = greedy_answers(model, prompts, 24)
+    answers = answers_of(model, prompts, 24)
     agree, shifted = [], []
     for p, a in zip(prompts, answers):
         lp = quality.answer_logprobs(model, p, a)

@@ -17,8 +17,8 @@ which is more often just after a miss, where the draft does worse than on averag
 
     walked tau(k) the acceptance length of decoding at a fixed draft length k, walking each answer from its
                   first cycle start as decoding does (`walk`): for greedy chains the decoding run itself,
-                  cycle for cycle (SmolLM2's MT-bench answers: 1.68 where tau(4) says 1.79, and decoding
-                  measured 1.66)
+                  cycle for cycle (SmolLM2's answers to 20 MT-bench questions: 1.68 where tau(4) says
+                  1.79, and decoding measured 1.66)
 
 Where the acceptance comes from (same positions, the first draft token only):
 
@@ -60,7 +60,7 @@ from train.dump import run_target
 from train.ttt import ttt_unroll
 
 
-def greedy_answers(
+def answers_of(
     model: Llama4,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
@@ -189,9 +189,8 @@ def sampled_reach(
     Step i's draft token is x_{t+2+i}, checked against the target's distribution at index t + 1 + i."""
     f = fields if fields is not None else target_fields(model, prompt, answer, draft.config.feature_layers)
     x = torch.as_tensor(list(prompt) + list(answer))[None]
-    return _reach_rows(model, draft, x, len(prompt), f["features"][None], f["hidden"][None], steps, sampling)[
-        0
-    ]
+    reach = _reach_rows(model, draft, x, len(prompt), f["features"][None], f["hidden"][None], steps, sampling)
+    return reach[0]
 
 
 @torch.no_grad()
