@@ -28,6 +28,7 @@ import json
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -100,37 +101,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     target = args.target or default_target_path()
     rule = "greedy" if sampling.greedy else f"sampled: {describe(sampling)}, seed {args.seed}"
-    # every scored answer, all turns pooled: its prompt ids, answer, category and turn (1-based)
-    prompts: list[list[int]] = []
-    answers: list[list[int]] = []
-    categories: list[str] = []
-    turn_of: list[int] = []
-    turns: list[dict[str, Any]] = []
-    # each prompt's answers so far, as the next turn's chat holds them
-    texts: list[list[str]] = [[] for _ in bench]
-    for turn in range(args.turns):
-        idx = [i for i, p in enumerate(bench) if len(p["turns"]) > turn]
-        if not idx:
-            break
-        ids = [chat_ids(tok, bench[i], turn, texts[i]) for i in idx]
-        got, cache = target_answers(
-            model, target, args.dtype, ids, args.max_new_tokens, args.fresh_answers, sampling, args.seed
-        )
-        for i, a in zip(idx, got):
-            texts[i].append(answer_text(tok, a, model.config.eos_ids))
-        prompts += ids
-        answers += got
-        categories += [bench[i].get("category", args.bench) for i in idx]
-        turn_of += [turn + 1] * len(idx)
-        turns.append(
-            {"turn": turn + 1, "prompts": len(idx), "answer_tokens": sum(map(len, got)),
-             "answers_cached": str(cache) if cache else None}
-        )  # fmt: skip
-        where = f", read from {cache}" if cache else ""
-        print(
-            f"{len(idx)} {args.bench} prompts, turn {turn + 1}: {turns[-1]['answer_tokens']} answer tokens "
-            f"({args.dtype}, {rule}{where})"
-        )
+    asked = answer_turns(model, tok, target, bench, args, sampling, rule)
+    prompts, answers, categories, turns = asked.prompts, asked.answers, asked.categories, asked.turns
     result: dict[str, Any] = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "answer_tokens": sum(map(len, answers)),
@@ -170,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         }
         if len(turns) > 1:
             s["turns"] = {
-                t["turn"]: _part(reach, details, [t2 == t["turn"] for t2 in turn_of], args.steps)
+                t["turn"]: _part(reach, details, [t2 == t["turn"] for t2 in asked.turn_of], args.steps)
                 for t in turns
             }
         result["drafts"][path] = s
@@ -202,6 +174,50 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 ANSWERS_DIR = Path(__file__).resolve().parent.parent / ".cache" / "answers"
+
+
+@dataclass
+class Asked:
+    """Every answer scored, all turns pooled: its prompt ids, the target's answer, the prompt's category and
+    the turn (1-based); and per turn, its prompts, answer tokens and the kept answers' file, if read."""
+
+    prompts: list[list[int]] = field(default_factory=list)
+    answers: list[list[int]] = field(default_factory=list)
+    categories: list[str] = field(default_factory=list)
+    turn_of: list[int] = field(default_factory=list)
+    turns: list[dict[str, Any]] = field(default_factory=list)
+
+
+def answer_turns(model, tok, target, bench: list[dict], args, sampling: SamplingParams, rule: str) -> Asked:
+    """The target's answers to the first --turns turns of each benchmark prompt, each turn asked after the
+    target's own earlier answers (their text in the chat, as eval.bench asks it); kept or read back per turn
+    (`target_answers`)."""
+    asked = Asked()
+    texts: list[list[str]] = [[] for _ in bench]  # each prompt's answers so far, as its next turn holds them
+    for turn in range(args.turns):
+        idx = [i for i, p in enumerate(bench) if len(p["turns"]) > turn]
+        if not idx:
+            break
+        ids = [chat_ids(tok, bench[i], turn, texts[i]) for i in idx]
+        got, cache = target_answers(
+            model, target, args.dtype, ids, args.max_new_tokens, args.fresh_answers, sampling, args.seed
+        )
+        for i, a in zip(idx, got):
+            texts[i].append(answer_text(tok, a, model.config.eos_ids))
+        asked.prompts += ids
+        asked.answers += got
+        asked.categories += [bench[i].get("category", args.bench) for i in idx]
+        asked.turn_of += [turn + 1] * len(idx)
+        asked.turns.append(
+            {"turn": turn + 1, "prompts": len(idx), "answer_tokens": sum(map(len, got)),
+             "answers_cached": str(cache) if cache else None}
+        )  # fmt: skip
+        where = f", read from {cache}" if cache else ""
+        print(
+            f"{len(idx)} {args.bench} prompts, turn {turn + 1}: {asked.turns[-1]['answer_tokens']} answer "
+            f"tokens ({args.dtype}, {rule}{where})"
+        )
+    return asked
 
 
 def first_turns(tok, bench: list[dict]) -> list[list[int]]:
