@@ -50,6 +50,7 @@ from maverick.target import (
 )
 from train.acceptance import (
     answers_of,
+    paired_difference,
     reach_of_runs,
     run_lengths,
     sampled_reach,
@@ -117,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     fields: dict[tuple[int, ...], list[dict[str, Tensor]]] = {}  # the target's forwards, per feature layers
     probs: list[Tensor] = []  # target_probs per answer: the same whatever the draft
+    reaches: dict[str, list[Tensor]] = {}
     for path in args.draft:
         draft = drafts[path]
         layers = tuple(draft.config.feature_layers)
@@ -134,6 +136,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             else:
                 reach.append(sampled_reach(model, draft, p, a, args.steps, sampling, f))
             details.append(target_detail(draft, p, a, args.steps, f, tp, sampled=not sampling.greedy))
+        reaches[path] = reach
 
         s = _part(reach, details, [True] * len(reach), args.steps)
         s["categories"] = {
@@ -154,6 +157,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             flush=True,
         )
     k = args.steps
+    first = args.draft[0]
+    for path in args.draft[1:]:
+        d = paired_difference(reaches[first], reaches[path], asked.prompt_of, k)
+        result["drafts"][path]["against_first"] = d
+        print(
+            f"{path[-48:]} less {first[-48:]}, paired over the same answers (95% bootstrap over the "
+            f"{d['clusters']} prompts): tau({k}) {d['tau']:+.3f} [{d['tau_ci95'][0]:+.3f}, "
+            f"{d['tau_ci95'][1]:+.3f}], walked {d['tau_walked']:+.3f} [{d['tau_walked_ci95'][0]:+.3f}, "
+            f"{d['tau_walked_ci95'][1]:+.3f}]"
+        )
     for title, key, names in (
         ("category", "categories", list(dict.fromkeys(categories)) if len(set(categories)) > 1 else []),
         ("turn", "turns", [t["turn"] for t in turns] if len(turns) > 1 else []),
@@ -178,13 +191,15 @@ ANSWERS_DIR = Path(__file__).resolve().parent.parent / ".cache" / "answers"
 
 @dataclass
 class Asked:
-    """Every answer scored, all turns pooled: its prompt ids, the target's answer, the prompt's category and
-    the turn (1-based); and per turn, its prompts, answer tokens and the kept answers' file, if read."""
+    """Every answer scored, all turns pooled: its prompt ids, the target's answer, the prompt's category, the
+    turn (1-based) and the prompt's index; and per turn, its prompts, answer tokens and the kept answers'
+    file, if read."""
 
     prompts: list[list[int]] = field(default_factory=list)
     answers: list[list[int]] = field(default_factory=list)
     categories: list[str] = field(default_factory=list)
     turn_of: list[int] = field(default_factory=list)
+    prompt_of: list[int] = field(default_factory=list)  # the benchmark prompt's index
     turns: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -208,6 +223,7 @@ def answer_turns(model, tok, target, bench: list[dict], args, sampling: Sampling
         asked.answers += got
         asked.categories += [bench[i].get("category", args.bench) for i in idx]
         asked.turn_of += [turn + 1] * len(idx)
+        asked.prompt_of += idx
         asked.turns.append(
             {"turn": turn + 1, "prompts": len(idx), "answer_tokens": sum(map(len, got)),
              "answers_cached": str(cache) if cache else None}

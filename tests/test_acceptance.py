@@ -16,6 +16,7 @@ from maverick.tokenizer import encode_chat, load_tokenizer
 from train import acceptance as acceptance_mod
 from train.acceptance import (
     answers_of,
+    paired_difference,
     reach_of_runs,
     run_lengths,
     sampled_reach,
@@ -158,8 +159,10 @@ def test_cli_scores_second_turns_after_the_targets_own_first_answers(tmp_path, m
         return answers
 
     monkeypatch.setattr(acceptance, "answers_of", recorded)
+    copy = tmp_path / "same-draft"
+    copy.symlink_to(Path(DRAFT).resolve())
     argv = ["--draft", DRAFT, "--n", "2", "--max-new-tokens", "12", "--steps", "3", "--turns", "2"]
-    r = acceptance.main(argv)
+    r = acceptance.main([*argv, "--draft", str(copy)])
     (first, answers), (second, _) = asked
     tok = load_tokenizer()
     bench = load_benchmark("mtbench", 2)
@@ -169,7 +172,9 @@ def test_cli_scores_second_turns_after_the_targets_own_first_answers(tmp_path, m
     s = r["drafts"][DRAFT]
     assert [t["turn"] for t in r["turns"]] == [1, 2] and set(s["turns"]) == {1, 2}
     assert s["turns"][1]["positions"] + s["turns"][2]["positions"] == s["positions"] > 0
-    assert acceptance.main(argv)["drafts"] == r["drafts"]  # both turns' answers read back
+    assert acceptance.main(argv)["drafts"][DRAFT] == s  # both turns' answers read back
+    same = r["drafts"][str(copy)]["against_first"]  # one draft twice: no difference, 2 prompts resampled
+    assert same["tau"] == 0 and same["tau_ci95"] == [0, 0] and same["clusters"] == 2
 
 
 # Sampled chains: N SpecDecoder runs (k = 3) against the estimator over N answers sampled from the target.
@@ -230,3 +235,27 @@ def test_sampled_reach_predicts_sampled_decoding(sampling, monkeypatch):
     wrong = sampled_reach_rows(t, d, prompt, answers, K_MC, sampling)
     assert (wrong[:, 0].mean(0) - decoded).abs().max() > MC_BOUND
     assert abs(torch.tensor([walk(r, K_MC)[0] for r in wrong]).mean() - cycles.mean()) > bound
+
+
+def test_paired_difference_is_the_difference_with_a_bootstrap_interval_over_prompts():
+    g = torch.Generator().manual_seed(0)
+    a = [(torch.rand(10, 3, generator=g) < 0.4).float().cumprod(1) for _ in range(200)]
+    same = paired_difference(a, a, list(range(200)), 3)
+    assert same["tau"] == 0 and same["tau_ci95"] == [0, 0] and same["tau_walked_ci95"] == [0, 0]
+    better = [torch.ones_like(r) for r in a]  # every draft token kept
+    d = paired_difference(a, better, list(range(200)), 3)
+    tau_a = 1 + torch.cat(a).sum(1).mean().item()
+    assert abs(d["tau"] - (4 - tau_a)) < 1e-3 and d["tau_ci95"][0] > 0 and d["tau_walked"] > 0
+
+    # independent drafts of one quality: the interval holds 0, and its half-width is 1.96 standard errors
+    # of the difference of two means of 2,000 Bernoulli(0.4) positions: 1.96 * sqrt(2 * 0.24 / 2000) = 0.030
+    b = [(torch.rand(10, 1, generator=g) < 0.4).float() for _ in range(200)]
+    c = [(torch.rand(10, 1, generator=g) < 0.4).float() for _ in range(200)]
+    d = paired_difference(b, c, list(range(200)), 1)
+    lo, hi = d["tau_ci95"]
+    assert lo < 0 < hi and 0.024 < (hi - lo) / 2 < 0.037, d
+    # two answers of one prompt move together: the same answers twice per prompt are no more evidence
+    twice = paired_difference(b + b, c + c, list(range(200)) * 2, 1)
+    apart = paired_difference(b + b, c + c, list(range(400)), 1)
+    width = lambda r: r["tau_ci95"][1] - r["tau_ci95"][0]  # noqa: E731
+    assert abs(width(twice) / width(d) - 1) < 0.15 and abs(width(d) / width(apart) - 2**0.5) < 0.2
