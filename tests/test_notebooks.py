@@ -235,6 +235,12 @@ def test_02_train_draft(tmp_path, monkeypatch):
     assert 1.0 <= r["tau_before"] <= r["k"] + 1
     assert 1.0 <= r["tau_after"] <= r["k"] + 1
     assert (Path(r["draft"]) / "config.json").is_file()
+    for key in ("tf_walked_tau_before", "tf_walked_tau_after"):  # teacher-forced, eval.acceptance
+        assert 1.0 <= r[key] <= r["k"] + 1
+    gain = r["tf_gain"]
+    assert gain["k"] == r["k"] and gain["clusters"] == 2
+    assert gain["tau_ci95"][0] <= gain["tau"] <= gain["tau_ci95"][1]
+    assert gain["tau_walked"] == pytest.approx(r["tf_walked_tau_after"] - r["tf_walked_tau_before"], abs=2e-4)
 
 
 def test_03_draft_length(tmp_path, monkeypatch):
