@@ -532,6 +532,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=nonnegative_int, default=0)
     add_threads_option(p)
     p.add_argument("--stop-after", choices=("regen", "train", "score"), default=None)
+    p.add_argument("--profile-steps", type=nonnegative_int, default=0,
+                   help=f"profile this many decode steps and training steps (after the first {PROFILE_SKIP} of "
+                   "each) with torch.profiler: per-step wall, device and top-op times into stage.json (0: off)")  # fmt: skip
     g = p.add_argument_group("regeneration")
     g.add_argument(
         "--regen-share", type=share, default=0.45, help="regenerate until this share of the budget"
@@ -580,9 +583,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="EAGLE-3.1's norms (each aux-layer feature before fc, the output); an --init-draft "
                    "without them is carried over, fc_norm starting at its features' scale")  # fmt: skip
     s = p.add_argument_group("scoring")
-    s.add_argument("--profile-steps", type=nonnegative_int, default=0,
-                   help=f"profile this many decode steps and training steps (after the first {PROFILE_SKIP} of "
-                   "each) with torch.profiler: per-step wall, device and top-op times into stage.json (0: off)")  # fmt: skip
     s.add_argument("--score-share", type=share, default=0.08, help="budget share kept for scoring")
     s.add_argument("--heldout", type=nonnegative_int, default=64, help="held-out conversations scored")
     s.add_argument("--score-new-tokens", type=positive_int, default=128)
