@@ -88,7 +88,12 @@ def test_stage_runs_resumes_and_chains(tmp_path):
     assert s["phases"]["train"]["samples"] == len(ids) and s["phases"]["train"]["init_draft"] == str(
         out / "draft"
     )
-    assert set(s["phases"]["score"]["drafts"]) == {"init", "new"}
+    sc = s["phases"]["score"]
+    assert set(sc["drafts"]) == {"init", "new"} and sc["new_less_init"]["clusters"] == sc["heldout"]
+    d = sc["new_less_init"]  # the difference of the two drafts' tau(k), k the steps scored
+    k = d["k"]
+    assert d["tau"] == pytest.approx(sc["drafts"]["new"]["tau"][k] - sc["drafts"]["init"]["tau"][k], abs=2e-4)
+    assert d["tau_ci95"][0] <= d["tau"] <= d["tau_ci95"][1]
 
 
 def test_stage_errors_name_the_path(tmp_path, capsys):
@@ -201,7 +206,12 @@ def test_eagle31_stage_carries_an_eagle3_draft(tmp_path):
     cfg = load_draft(s2 / "draft").config
     assert cfg.fc_norm and cfg.norm_output
     assert s["phases"]["train"]["norm_variants"] == ["fc_norm", "norm_output"]
-    assert set(s["phases"]["score"]["drafts"]) == {"init", "new"}
+    sc = s["phases"]["score"]
+    assert set(sc["drafts"]) == {"init", "new"} and sc["new_less_init"]["clusters"] == sc["heldout"]
+    d = sc["new_less_init"]  # the difference of the two drafts' tau(k), k the steps scored
+    k = d["k"]
+    assert d["tau"] == pytest.approx(sc["drafts"]["new"]["tau"][k] - sc["drafts"]["init"]["tau"][k], abs=2e-4)
+    assert d["tau_ci95"][0] <= d["tau"] <= d["tau_ci95"][1]
 
 
 def test_training_does_not_resume_with_the_variant_changed(tmp_path, monkeypatch):
@@ -250,7 +260,12 @@ def test_grow_vocab_stage_carries_the_draft_and_resumes_only_grown(tmp_path, mon
     assert torch.equal(wb["lm_head.weight"][[rows[t] for t in old]], wa["lm_head.weight"])
     assert not wb["lm_head.weight"][[rows[t] for t in set(new) - set(old)]].any()
     assert all(torch.equal(wa[k], wb[k]) for k in wa if k not in ("d2t", "t2d", "lm_head.weight"))
-    assert set(s["phases"]["score"]["drafts"]) == {"init", "new"}
+    sc = s["phases"]["score"]
+    assert set(sc["drafts"]) == {"init", "new"} and sc["new_less_init"]["clusters"] == sc["heldout"]
+    d = sc["new_less_init"]  # the difference of the two drafts' tau(k), k the steps scored
+    k = d["k"]
+    assert d["tau"] == pytest.approx(sc["drafts"]["new"]["tau"][k] - sc["drafts"]["init"]["tau"][k], abs=2e-4)
+    assert d["tau_ci95"][0] <= d["tau"] <= d["tau_ci95"][1]
 
     revive = kill_training_at(3, monkeypatch)
     grow = ["--init-draft", str(s1), "--checkpoint-seconds", "0", "--max-conversations", "1"]

@@ -15,7 +15,8 @@ On whatever device it finds (the GPU when there is one), within --minutes of wal
    with --eagle-3.1 the draft gets EAGLE-3.1's norms (an EAGLE-3 --init-draft is carried over into one);
    with --grow-vocab N the --init-draft's vocabulary grows to N tokens (the answers' most frequent join it);
 3. score: teacher-forced greedy chain acceptance (`eval.acceptance`) of the initial and the new draft on
-   the target's greedy answers to the held-out conversations of --data (first turns, never trained on).
+   the target's greedy answers to the held-out conversations of --data (first turns, never trained on),
+   and the new draft's difference from the initial one with a 95% bootstrap interval (`new_less_init`).
 
 Writes into --out: `draft/` (config.json + bf16 model.safetensors: the EAGLE-3 format), `train_log.jsonl`,
 `curve.png`, `answers.jsonl.xz`, `stage.json` (data, steps, device, minutes, tokens/s of regeneration and
@@ -65,7 +66,7 @@ from maverick.cli import (
 from maverick.model import Llama4
 from maverick.target import default_target_path, load_target
 from train import answers as answer_file
-from train.acceptance import reach_of_runs, run_lengths, summarize, target_fields
+from train.acceptance import paired_difference, reach_of_runs, run_lengths, summarize, target_fields
 from train.dump import default_feature_layers
 from train.fastfit import Buckets, TimeSchedule, bucket_batches, dense_step_sums, target_batch, weighted_loss
 from train.fastgen import Conversation, FastGenerator
@@ -461,6 +462,7 @@ class Stage:
         }
         fields: dict[tuple, list] = {}
         steps = min(5, a.ttt_steps)
+        reaches: dict[str, list[torch.Tensor]] = {}
         for name, path in drafts.items():
             draft = load_draft(path, dtype=self.dtype, device=str(self.device))
             layers = tuple(draft.config.feature_layers)
@@ -471,6 +473,11 @@ class Stage:
                 for (p, x), f in zip(pairs, fields[layers])
             ]
             result["drafts"][name] = {"path": str(path)} | summarize(reach, steps)
+            reaches[name] = reach
+        if len(reaches) == 2 and pairs:  # did the stage help: the difference, with its 95% interval
+            result["new_less_init"] = paired_difference(
+                reaches["init"], reaches["new"], range(len(pairs)), steps
+            )
         self.state["phases"]["score"] = result
         self.save_state()
 
