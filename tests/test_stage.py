@@ -45,6 +45,15 @@ def run(target, data, out, *extra):
     return main(common + list(extra))
 
 
+def check_scored_against_init(sc):
+    """Both drafts scored, and the new one's tau(k) less the initial one's, inside its interval."""
+    assert set(sc["drafts"]) == {"init", "new"} and sc["new_less_init"]["clusters"] == sc["heldout"]
+    d = sc["new_less_init"]
+    k = d["k"]  # the steps scored
+    assert d["tau"] == pytest.approx(sc["drafts"]["new"]["tau"][k] - sc["drafts"]["init"]["tau"][k], abs=2e-4)
+    assert d["tau_ci95"][0] <= d["tau"] <= d["tau_ci95"][1]
+
+
 def test_stage_runs_resumes_and_chains(tmp_path):
     torch.set_num_threads(1)
     target, data = make_data(tmp_path)
@@ -88,12 +97,7 @@ def test_stage_runs_resumes_and_chains(tmp_path):
     assert s["phases"]["train"]["samples"] == len(ids) and s["phases"]["train"]["init_draft"] == str(
         out / "draft"
     )
-    sc = s["phases"]["score"]
-    assert set(sc["drafts"]) == {"init", "new"} and sc["new_less_init"]["clusters"] == sc["heldout"]
-    d = sc["new_less_init"]  # the difference of the two drafts' tau(k), k the steps scored
-    k = d["k"]
-    assert d["tau"] == pytest.approx(sc["drafts"]["new"]["tau"][k] - sc["drafts"]["init"]["tau"][k], abs=2e-4)
-    assert d["tau_ci95"][0] <= d["tau"] <= d["tau_ci95"][1]
+    check_scored_against_init(s["phases"]["score"])
 
 
 def test_stage_errors_name_the_path(tmp_path, capsys):
@@ -206,12 +210,7 @@ def test_eagle31_stage_carries_an_eagle3_draft(tmp_path):
     cfg = load_draft(s2 / "draft").config
     assert cfg.fc_norm and cfg.norm_output
     assert s["phases"]["train"]["norm_variants"] == ["fc_norm", "norm_output"]
-    sc = s["phases"]["score"]
-    assert set(sc["drafts"]) == {"init", "new"} and sc["new_less_init"]["clusters"] == sc["heldout"]
-    d = sc["new_less_init"]  # the difference of the two drafts' tau(k), k the steps scored
-    k = d["k"]
-    assert d["tau"] == pytest.approx(sc["drafts"]["new"]["tau"][k] - sc["drafts"]["init"]["tau"][k], abs=2e-4)
-    assert d["tau_ci95"][0] <= d["tau"] <= d["tau_ci95"][1]
+    check_scored_against_init(s["phases"]["score"])
 
 
 def test_training_does_not_resume_with_the_variant_changed(tmp_path, monkeypatch):
@@ -260,12 +259,7 @@ def test_grow_vocab_stage_carries_the_draft_and_resumes_only_grown(tmp_path, mon
     assert torch.equal(wb["lm_head.weight"][[rows[t] for t in old]], wa["lm_head.weight"])
     assert not wb["lm_head.weight"][[rows[t] for t in set(new) - set(old)]].any()
     assert all(torch.equal(wa[k], wb[k]) for k in wa if k not in ("d2t", "t2d", "lm_head.weight"))
-    sc = s["phases"]["score"]
-    assert set(sc["drafts"]) == {"init", "new"} and sc["new_less_init"]["clusters"] == sc["heldout"]
-    d = sc["new_less_init"]  # the difference of the two drafts' tau(k), k the steps scored
-    k = d["k"]
-    assert d["tau"] == pytest.approx(sc["drafts"]["new"]["tau"][k] - sc["drafts"]["init"]["tau"][k], abs=2e-4)
-    assert d["tau_ci95"][0] <= d["tau"] <= d["tau_ci95"][1]
+    check_scored_against_init(s["phases"]["score"])
 
     revive = kill_training_at(3, monkeypatch)
     grow = ["--init-draft", str(s1), "--checkpoint-seconds", "0", "--max-conversations", "1"]
