@@ -50,6 +50,7 @@ from maverick.target import (
 )
 from train.acceptance import (
     answers_of,
+    next_token_probs,
     paired_difference,
     reach_of_runs,
     run_lengths,
@@ -118,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     fields: dict[tuple[int, ...], list[dict[str, Tensor]]] = {}  # the target's forwards, per feature layers
     probs: list[Tensor] = []  # target_probs per answer: the same whatever the draft
+    p_next: list[Tensor | None] = []  # sampled: next_token_probs per answer, the same whatever the draft
     reaches: dict[str, list[Tensor]] = {}
     for path in args.draft:
         draft = drafts[path]
@@ -125,16 +127,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if layers not in fields:
             fields[layers] = [target_fields(model, p, a, layers) for p, a in zip(prompts, answers)]
         if not probs:
-            probs = [
-                target_probs(model, p, a, args.steps, f, sampling)
+            p_next = [
+                None if sampling.greedy else next_token_probs(model, p, a, f, sampling)
                 for p, a, f in zip(prompts, answers, fields[layers])
             ]
+            probs = [
+                target_probs(model, p, a, args.steps, f, sampling, n)
+                for p, a, f, n in zip(prompts, answers, fields[layers], p_next)
+            ]
         reach, details = [], []
-        for p, a, f, tp in zip(prompts, answers, fields[layers], probs):
+        for p, a, f, tp, n in zip(prompts, answers, fields[layers], probs, p_next):
             if sampling.greedy:
                 reach.append(reach_of_runs(run_lengths(model, draft, p, a, args.steps, f), args.steps))
             else:
-                reach.append(sampled_reach(model, draft, p, a, args.steps, sampling, f))
+                reach.append(sampled_reach(model, draft, p, a, args.steps, sampling, f, n))
             details.append(target_detail(draft, p, a, args.steps, f, tp, sampled=not sampling.greedy))
         reaches[path] = reach
 

@@ -148,6 +148,21 @@ def token_probs(
     return p
 
 
+def next_token_probs(
+    model: Llama4,
+    prompt: Sequence[int],
+    answer: Sequence[int],
+    fields: dict[str, Tensor],
+    sampling: SamplingParams,
+) -> Tensor:
+    """p_next[u - P]: the target's probability, under `sampling`'s rule, of the answer's token x_{u+1} at
+    index u, for u = P .. T - 2 (a prompt of P tokens, T in all): what a sampled chain's draft tokens are
+    checked against. The same for every draft, so computed once per answer."""
+    P, T = len(prompt), len(prompt) + len(answer)
+    ids = torch.as_tensor(list(prompt) + list(answer))
+    return token_probs(model, fields["hidden"][P : T - 1], ids[P + 1 :], sampling)
+
+
 def target_probs(
     model: Llama4,
     prompt: Sequence[int],
@@ -155,16 +170,18 @@ def target_probs(
     steps: int,
     fields: dict[str, Tensor],
     sampling: SamplingParams | None = None,
+    p_next: Tensor | None = None,
 ) -> Tensor:
     """For the positions of `run_lengths`: the target's probability of the cycle's first draft token
     x_{t+2}. Greedy (`sampling` None or at temperature 0): of its greedy choice, under the plain fp32
-    softmax; sampled: of the answer's own token, under the sampling rule. The same for every draft, so
-    computed once per answer."""
+    softmax; sampled: of the answer's own token, under the sampling rule (`next_token_probs`, read from
+    `p_next` where given). The same for every draft, so computed once per answer."""
     at = _first_draft_targets(prompt, answer, steps)
     if sampling is None or sampling.greedy:
         return token_probs(model, fields["hidden"][at], fields["target_argmax"][at])
-    ids = torch.as_tensor(list(prompt) + list(answer))
-    return token_probs(model, fields["hidden"][at], ids[at.start + 1 : at.stop + 1], sampling)
+    if p_next is None:
+        p_next = next_token_probs(model, prompt, answer, fields, sampling)
+    return p_next[: max(0, at.stop - at.start)]  # position j: index P + j
 
 
 def kept(q: Tensor, p: Tensor) -> Tensor:
@@ -182,15 +199,18 @@ def sampled_reach(
     steps: int,
     sampling: SamplingParams,
     fields: dict[str, Tensor] | None = None,
+    p_next: Tensor | None = None,
 ) -> Tensor:
     """Sampled chains: [positions, steps] for the positions of `run_lengths` (row j: the cycle starting at
     index P - 1 + j); element (j, i): the probability that the cycle keeps its first i + 1 draft tokens,
     given that the target emits `answer` (drawn with `sampling`): the product of `kept` over steps 0..i.
-    Step i's draft token is x_{t+2+i}, checked against the target's distribution at index t + 1 + i."""
+    Step i's draft token is x_{t+2+i}, checked against the target's distribution at index t + 1 + i.
+    p_next: `next_token_probs` of this answer, if already computed."""
     f = fields if fields is not None else target_fields(model, prompt, answer, draft.config.feature_layers)
+    if p_next is None:
+        p_next = next_token_probs(model, prompt, answer, f, sampling)
     x = torch.as_tensor(list(prompt) + list(answer))[None]
-    reach = _reach_rows(model, draft, x, len(prompt), f["features"][None], f["hidden"][None], steps, sampling)
-    return reach[0]
+    return _reach_rows(model, draft, x, len(prompt), f["features"][None], p_next[None], steps, sampling)[0]
 
 
 @torch.no_grad()
@@ -211,8 +231,9 @@ def sampled_reach_rows(
     ]
     f = run_target(model, samples, draft.config.feature_layers, model.dtype)
     x = torch.tensor([s["input_ids"] for s in samples])
-    features, hidden = torch.stack([r["features"] for r in f]), torch.stack([r["hidden"] for r in f])
-    return _reach_rows(model, draft, x, len(prompt), features, hidden, steps, sampling)
+    p_next = torch.stack([next_token_probs(model, prompt, a, r, sampling) for a, r in zip(answers, f)])
+    features = torch.stack([r["features"] for r in f])
+    return _reach_rows(model, draft, x, len(prompt), features, p_next, steps, sampling)
 
 
 def _reach_rows(
@@ -221,18 +242,15 @@ def _reach_rows(
     x: Tensor,
     P: int,
     features: Tensor,
-    hidden: Tensor,
+    p_next: Tensor,
     steps: int,
     sampling: SamplingParams,
 ) -> Tensor:
     """`sampled_reach` of B rows of one length: x [B, T] token ids (a prompt of P tokens, then the answer),
-    the target's features [B, T, F] and final hidden states [B, T, H] -> [B, positions, steps]."""
+    the target's features [B, T, F] and `next_token_probs` [B, T - 1 - P] -> [B, positions, steps]."""
     B, T = x.shape
     dev = model.device
     x = x.to(dev)
-    # p_next[:, u - P]: the target's probability of x_{u+1} at index u, for u = P .. T - 2
-    p_next = token_probs(model, hidden[:, P : T - 1].flatten(0, 1), x[:, P + 1 :].flatten().cpu(), sampling)
-    p_next = p_next.view(B, T - 1 - P)
     to_draft = torch.full((len(draft.t2d),), -1, dtype=torch.long, device=dev)
     to_draft[draft.draft_to_target_ids.to(dev)] = torch.arange(draft.config.draft_vocab_size, device=dev)
     first, last = P - 1, T - 1 - steps
