@@ -45,6 +45,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from maverick.files import atomic_path
+
 FORMAT = "maverick-eagle datastore v1"
 _SEP = -1  # between runs: no n-gram spans it and no continuation crosses it
 _BITS = 16  # per token in a key
@@ -170,10 +172,8 @@ class Datastore:
             "runs": str(self.n_runs),
             "meta": json.dumps(meta or {}),
         }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        save_file({"tokens": real.contiguous()}, str(tmp), metadata=info)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            save_file({"tokens": real.contiguous()}, str(tmp), metadata=info)
 
     @classmethod
     def load(cls, path: str | Path, **overrides) -> Datastore:

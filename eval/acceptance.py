@@ -37,9 +37,9 @@ from torch import Tensor
 
 from eagle3.draft import check_draft_fits, load_draft
 from eval.prompts import BENCHMARKS, answer_text, chat_ids, check_prompts_option, load_benchmark
-from eval.report import atomic_write_bytes
 from maverick.aot import cpu_name
 from maverick.cli import UserError, add_threads_option, output_file, positive_int, run_cli
+from maverick.files import atomic_write
 from maverick.sampling import SamplingParams, add_sampling_options
 from maverick.target import (
     TARGET_HELP,
@@ -188,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             )
             print(f"{str(c):14s} {cells[0]['positions']:6d}  {row}")
     if args.out is not None:
-        atomic_write_bytes(args.out, (json.dumps(result, indent=1) + "\n").encode())
+        atomic_write(args.out, json.dumps(result, indent=1) + "\n")
     return result
 
 
@@ -308,7 +308,7 @@ def read_answers(path: Path, n: int) -> list[list[int]] | None:
 
 def write_answers(path: Path, answers: list[list[int]]) -> None:
     try:
-        atomic_write_bytes(path, json.dumps(answers).encode())
+        atomic_write(path, json.dumps(answers))
     except OSError:  # a read-only checkout: generated again next time
         pass
 

@@ -78,7 +78,6 @@ from eval.report import (
     Q4_SUFFIX,
     RESET,
     RunRecord,
-    atomic_write_bytes,
     print_table,
     summarise,
     variant,
@@ -93,6 +92,7 @@ from maverick.cli import (
     positive_int,
     run_cli,
 )
+from maverick.files import atomic_write
 from maverick.generate import Decoder
 from maverick.sampling import SamplingParams, add_sampling_options
 from maverick.target import TARGET_HELP, load_hf_reference, load_target, load_target_tokenizer
@@ -648,7 +648,7 @@ def start_progress(path: Path, config: dict) -> None:
     run's records and report (--overwrite)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     (path.parent / "report.json").unlink(missing_ok=True)
-    atomic_write_bytes(path, (json.dumps({"settings": _settings(config)}) + "\n").encode())
+    atomic_write(path, json.dumps({"settings": _settings(config)}) + "\n")
 
 
 def read_progress(out_dir: Path, config: dict) -> list[dict]:
@@ -689,9 +689,7 @@ def read_progress(out_dir: Path, config: dict) -> list[dict]:
         shown = "; ".join(f"{k}: {a!r} then, {b!r} now" for k, (a, b) in diff.items())
         raise UserError(f"{path}: cannot resume with different settings ({shown})")
     if len(keep) != len(data):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(keep)
-        os.replace(tmp, path)
+        atomic_write(path, keep)
     return lines[1:]
 
 

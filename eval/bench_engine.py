@@ -24,9 +24,9 @@ from eagle3.spec import SpecDecoder
 from eagle3.tuner import DraftLengthTuner
 from eval.bench import DEFAULT_DRAFT
 from eval.prompts import BENCHMARKS, load_benchmark
-from eval.report import atomic_write_bytes
 from maverick.cli import UserError, add_threads_option, output_dir, positive_int, positive_int_list, run_cli
 from maverick.compiled import CompiledTarget
+from maverick.files import atomic_write
 from maverick.generate import Decoder
 from maverick.target import TARGET_HELP, default_target_path, load_target, load_target_tokenizer
 from maverick.tokenizer import encode_chat
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
 
     if args.profile:
         result["profile"] = profile_steps(engine, prompts[0])
-    atomic_write_bytes(out / "engine.json", json.dumps(result, indent=1).encode())
+    atomic_write(out / "engine.json", json.dumps(result, indent=1))
     print(f"\n{'method':32s} {'tok/s':>8s} {'x eager':>8s} {'TTFT s':>7s} {'draft %':>8s} mismatches")
     for m, r in summary.items():
         mm = next(

@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import statistics
-import tempfile
 from pathlib import Path
 
 import torch
@@ -31,6 +29,7 @@ from maverick.cli import (
     positive_int,
     run_cli,
 )
+from maverick.files import atomic_write
 from maverick.fp8 import E4M3, fp8_mm, quantize_current, scaled_mm_supported, sqnr
 
 H, I_EXPERT, I_DENSE, KV = 5120, 8192, 16384, 1024
@@ -43,14 +42,6 @@ SHAPES = {
     "dense_up": (I_DENSE, H),
     "dense_down": (H, I_DENSE),
 }
-
-
-def _write_json_atomic(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, indent=2)
-    os.replace(tmp, path)
 
 
 def _time_ms(fn, iters: int, repeats: int = 5) -> float:
@@ -159,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
     if cuda:
         rows = bench_cuda(args.tokens, args.iters)
         result = {"config": config, "mode": "timing", "rows": rows}
-        _write_json_atomic(args.out, result)
+        atomic_write(args.out, json.dumps(result, indent=2))
         print(
             f"\n{'shape':12s} {'M':>5s} {'N':>6s} {'K':>6s} | TFLOP/s: {'bf16':>7s} {'fp8-t':>7s} {'fp8-r':>7s} | x bf16"
         )
@@ -181,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
         print("CUDA with compute capability >= 8.9 is needed for timings; running a CPU correctness pass.")
         rows = check_cpu()
         result = {"config": config, "mode": "cpu_correctness", "rows": rows}
-        _write_json_atomic(args.out, result)
+        atomic_write(args.out, json.dumps(result, indent=2))
         print(
             f"\n{'shape':12s} {'M':>3s} {'N':>4s} {'K':>4s} | SQNR dB: {'tensor':>6s} {'row':>6s} | max |emu - _scaled_mm|"
         )

@@ -19,6 +19,7 @@ from maverick.cli import (
     positive_int,
     run_cli,
 )
+from maverick.files import atomic_path
 from train.fit import LOG_FILE
 
 
@@ -66,11 +67,9 @@ def plot(logs: dict[str, list[dict]], path: Path) -> None:
     ax_a.set(xlabel="optimizer step", ylabel="top-1 agreement, unroll step 0", title="agreement")
     ax_l.legend()
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:

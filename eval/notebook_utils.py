@@ -32,7 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eval.report import RunRecord, atomic_write_bytes
+from eval.report import RunRecord
+from maverick.files import atomic_write
 from maverick.generate import Generation
 
 # Backgrounds of accepted draft tokens, alternating per cycle so neighbouring cycles stay apart.
@@ -114,7 +115,7 @@ def write_results(results: Mapping[str, Any], path: str | os.PathLike | None = N
     if not target:
         return None
     text = json.dumps(dict(results), default=_jsonable, indent=2, sort_keys=True, allow_nan=False)
-    return atomic_write_bytes(target, (text + "\n").encode())
+    return atomic_write(target, text + "\n")
 
 
 # ------------------------------------------------------------------------------------ speculative runs

@@ -45,8 +45,8 @@ from tqdm import tqdm
 
 from eval.acceptance import first_turns, target_answers
 from eval.prompts import BENCHMARKS, check_prompts_option, load_benchmark
-from eval.report import atomic_write_bytes
 from maverick.cli import UserError, add_threads_option, output_file, positive_int, run_cli
+from maverick.files import atomic_write
 from maverick.model import Llama4
 from maverick.target import TARGET_HELP, default_target_path, load_target, load_target_tokenizer
 
@@ -183,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"{name:8s} {s['positions']:9d} {s['kl_mean']:9.5f} {s['kl_p99']:9.5f} {s['kl_max']:9.4f} "
               f"{s['top1']:7.4f} {s['ppl']:7.3f} {s['ppl_ref']:8.3f} {seconds[name]:6.1f}")  # fmt: skip
     if args.out is not None:
-        atomic_write_bytes(args.out, (json.dumps(result, indent=1) + "\n").encode())
+        atomic_write(args.out, json.dumps(result, indent=1) + "\n")
     print(
         json.dumps({n: {"kl_mean": s["kl_mean"], "top1": s["top1"]} for n, s in result["variants"].items()})
     )

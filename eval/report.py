@@ -23,13 +23,13 @@ import json
 import math
 import os
 import sys
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TextIO
 
 from eval.summary import MethodSummary
+from maverick.files import atomic_write
 
 RED = "\033[31m"
 BOLD_RED = "\033[1;31m"
@@ -386,26 +386,6 @@ def print_table(
     return not fails
 
 
-# ---------------------------------------------------------------------------------------------- files
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write to a temporary name in the same folder, then rename: readers never see half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
 def _json_default(obj: Any) -> Any:
     if isinstance(obj, os.PathLike):
         return os.fspath(obj)
@@ -431,8 +411,8 @@ def write_report(
     }
     text = json.dumps(payload, indent=2, allow_nan=False, default=_json_default)
     paths = {
-        "json": atomic_write_bytes(out / "report.json", text.encode()),
-        "markdown": atomic_write_bytes(out / "report.md", to_markdown(summaries).encode()),
+        "json": atomic_write(out / "report.json", text),
+        "markdown": atomic_write(out / "report.md", to_markdown(summaries)),
     }
     figures = {
         "speedup": plots.plot_speedup(summaries),
@@ -440,7 +420,7 @@ def write_report(
         "draft_length": plots.plot_draft_length(summaries),
     }
     for name, fig in figures.items():
-        paths[name] = atomic_write_bytes(out / f"{name}.png", plots.to_png(fig))
+        paths[name] = atomic_write(out / f"{name}.png", plots.to_png(fig))
     return paths
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from maverick.cli import UserError
+from maverick.files import atomic_write
 
 
 def dense_llama_fields(num_layers: int) -> dict[str, Any]:
@@ -221,9 +222,7 @@ class Llama4Config:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_hf_dict(), indent=2, sort_keys=True))
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(self.to_hf_dict(), indent=2, sort_keys=True))
 
 
 # ---- the registry of named configs ----

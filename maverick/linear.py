@@ -20,7 +20,6 @@ in memory. Anything else (gradients, fp32, CUDA, `torch.compile`, no oneDNN) is 
 from __future__ import annotations
 
 import json
-import os
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +30,7 @@ from torch import Tensor, nn
 
 from maverick.aot import cpu_name
 from maverick.codes import CODES_MAX_ROWS, CodePack, codes_matmul, use_codes
+from maverick.files import atomic_write
 from maverick.q4 import Q4_MAX_ROWS, Q4Weight, group_pack, q4_matmul, use_q4
 
 PACKED_MAX_ROWS = 64
@@ -179,13 +179,10 @@ def _saved_windows() -> dict[str, list[int]]:
 def _save_window(key: str, window: tuple[int, int]) -> None:
     """Add a probed window to WINDOWS_FILE (written under a temporary name and renamed)."""
     saved = _saved_windows() | {key: list(window)}
-    tmp = WINDOWS_FILE.with_name(f"{WINDOWS_FILE.name}.{os.getpid()}.tmp")
     try:
-        WINDOWS_FILE.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(saved, indent=0, sort_keys=True))
-        tmp.replace(WINDOWS_FILE)
+        atomic_write(WINDOWS_FILE, json.dumps(saved, indent=0, sort_keys=True))
     except OSError:  # a read-only checkout: probed again next time
-        tmp.unlink(missing_ok=True)
+        pass
 
 
 def invariant_rows(fn, kind: str, shape: tuple[int, int], dtype: torch.dtype) -> tuple[int, int]:

@@ -26,6 +26,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from maverick.files import atomic_path, atomic_write
+
 
 def _streams(data: bytes) -> tuple[list[bytes], int]:
     """(the decompressed complete streams, the byte length they span); a cut-off last stream is left out."""
@@ -67,9 +69,7 @@ def repair(path: str | os.PathLike) -> tuple[list[dict[str, Any]], int]:
     data = path.read_bytes()
     texts, end = _streams(data)
     if end < len(data):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(data[:end])
-        os.replace(tmp, path)
+        atomic_write(path, data[:end])
     return _parse(texts), len(data) - end
 
 
@@ -94,13 +94,9 @@ def append(path: str | os.PathLike, records: Iterable[Mapping[str, Any]], preset
 
 def write(path: str | os.PathLike, records: Iterable[Mapping[str, Any]], preset: int = 6) -> None:
     """Write a whole file (one stream) under a temporary name, then rename it into place."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    append(tmp, records, preset)
-    if not tmp.exists():
-        tmp.write_bytes(b"")
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        if not append(tmp, records, preset):
+            tmp.write_bytes(b"")
 
 
 def sample(record: Mapping[str, Any]) -> dict[str, list[int]]:

@@ -62,6 +62,7 @@ from maverick.cli import (
     positive_int,
     run_cli,
 )
+from maverick.files import atomic_path, atomic_write
 from maverick.model import Llama4
 from maverick.target import TARGET_DTYPES, TARGET_HELP, default_target_path, load_target, target_identity
 from train.samples import add_data_args, chat_samples, draft_vocab_from
@@ -175,12 +176,6 @@ def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
@@ -318,9 +313,8 @@ def write_dumps(
                 bar.set_postfix(tok_s=f"{done_tokens / (time.perf_counter() - t0):.0f}", shard=k)
         tensors = _shard_tensors(per_sample, idx[0])
         final = out / shard_name(k)
-        tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
-        save_file(tensors, str(tmp), metadata={"format": FORMAT, "version": str(FORMAT_VERSION)})
-        os.replace(tmp, final)
+        with atomic_path(final) as tmp:
+            save_file(tensors, str(tmp), metadata={"format": FORMAT, "version": str(FORMAT_VERSION)})
         shards[k] = {
             "index": k,
             "file": final.name,
@@ -330,11 +324,11 @@ def write_dumps(
             "bytes": final.stat().st_size,
             "sha256": file_sha256(final),
         }
-        _write_json_atomic(manifest_path, manifest())
+        atomic_write(manifest_path, json.dumps(manifest(), indent=2) + "\n")
     if bar is not None:
         bar.close()
     m = manifest()
-    _write_json_atomic(manifest_path, m)
+    atomic_write(manifest_path, json.dumps(m, indent=2) + "\n")
     elapsed = time.perf_counter() - t0
     m["_run"] = {
         "seconds": elapsed,
@@ -358,9 +352,8 @@ def _progress(total: int, enabled: bool, desc: str):
 
 def save_vocab(directory: str | os.PathLike, d2t: Tensor, t2d: Tensor) -> None:
     path = Path(directory) / VOCAB_FILE
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    save_file({"d2t": d2t.long().contiguous(), "t2d": t2d.bool().contiguous()}, str(tmp))
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file({"d2t": d2t.long().contiguous(), "t2d": t2d.bool().contiguous()}, str(tmp))
 
 
 def load_vocab(directory: str | os.PathLike) -> tuple[Tensor, Tensor]:

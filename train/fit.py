@@ -76,6 +76,7 @@ from maverick.cli import (
     share,
 )
 from maverick.config import Llama4Config
+from maverick.files import atomic_path, atomic_write
 from maverick.target import TARGET_DTYPES, default_target_path, load_target_tables, target_identity
 from train.dump import DumpDataset
 from train.online import OnlineDataset
@@ -443,9 +444,7 @@ def _truncate_log(path: Path, step: int) -> None:
     kept = [
         line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step
     ]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    atomic_write(path, "".join(line + "\n" for line in kept))
 
 
 def _make_accelerator(cfg: FitConfig):
@@ -904,10 +903,9 @@ def plot_curves(records: Sequence[dict[str, Any]], path: Path) -> None:
     ax_a.set(xlabel="optimizer step", ylabel="top-1 agreement", title="acc per unroll step", ylim=(0, 1))
     ax_a.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from maverick.cli import (
     positive_int,
     run_cli,
 )
+from maverick.files import atomic_write
 from maverick.generate import Decoder
 from maverick.target import TARGET_HELP, load_target, load_target_tokenizer
 from maverick.tokenizer import encode_chat
@@ -65,9 +66,7 @@ def _read_done(path: Path) -> set[str]:
                 "a new file, or one an earlier run wrote, to continue it"
             ) from None
     if len(keep) != len(data):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(keep)
-        os.replace(tmp, path)
+        atomic_write(path, keep)
     return ids
 
 

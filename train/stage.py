@@ -37,7 +37,6 @@ import argparse
 import copy
 import dataclasses
 import json
-import os
 import random
 import time
 from collections.abc import Sequence
@@ -63,6 +62,7 @@ from maverick.cli import (
     run_cli,
     share,
 )
+from maverick.files import atomic_path, atomic_write
 from maverick.model import Llama4
 from maverick.target import default_target_path, load_target
 from train import answers as answer_file
@@ -85,12 +85,6 @@ PROFILE_SKIP = 20
 
 class StageError(UserError):
     """A user-caused problem (paths, data): printed as one `error:` line, exit status 2 (maverick/cli.py)."""
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 def draft_dir(path: Path) -> Path:
@@ -156,7 +150,7 @@ class Stage:
         return self.budget - (time.perf_counter() - self.t0)
 
     def save_state(self) -> None:
-        _write_json(self.out / STATE, self.state)
+        atomic_write(self.out / STATE, json.dumps(self.state, indent=1) + "\n")
 
     # ---- 1. regeneration ----
     def regenerate(self) -> None:
@@ -354,9 +348,8 @@ class Stage:
         def save_ck() -> None:
             st = {"draft": draft.state_dict(), "optimizer": opt.state_dict(), "step": step, "epoch": epoch,
                   "pos": pos, "seconds": spent + time.perf_counter() - t_run, "tokens": tokens}  # fmt: skip
-            tmp = ck.with_name(TRAIN_STATE + ".tmp")
-            torch.save(st, tmp)
-            os.replace(tmp, ck)
+            with atomic_path(ck) as tmp:
+                torch.save(st, tmp)
 
         while spent + time.perf_counter() - t_run < budget and (a.max_steps is None or step < a.max_steps):
             if pos >= len(batches):

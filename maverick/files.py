@@ -1,0 +1,39 @@
+"""Writing files so that nothing is lost: a reader sees the old file or the new one, never half of one.
+
+The files the project keeps (configs, manifests, logs, answers, dump shards, training states, reports, plots)
+are written under a temporary name beside their place, flushed to disk, then renamed over it in one step; whole
+directories (checkpoints, drafts) go through `maverick.checkpoint.atomic_dir`. A run killed mid-write leaves a
+`<name>.tmp-*` file, which no reader takes for the real one (their globs end in the real suffix).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside `path` to write (with any writer: safetensors, torch.save, a plot);
+    on success it is synced and renamed over `path`, on error removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # not mkstemp: its file is private (0600) and the rename would keep that
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
+    """Write `data` (str as UTF-8) to `path` through a temporary file and a rename; returns the path."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+    return Path(path)
