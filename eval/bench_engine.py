@@ -161,7 +161,6 @@ def main(argv=None) -> int:
     gguf = str(args.target or default_target_path())
     config = vars(args) | {"gguf": gguf, "torch": torch.__version__, "threads": torch.get_num_threads()}
     out = Path(args.out or f"results/engine-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)  # before the minutes of work whose result goes there
     print(json.dumps(config), flush=True)
 
     tok = load_target_tokenizer(gguf)
@@ -172,6 +171,7 @@ def main(argv=None) -> int:
             f"--max-len {args.max_len} holds no {longest}-token prompt (the longest of --n {args.n}) and "
             f"--max-new-tokens {args.max_new_tokens}: give --max-len {longest + args.max_new_tokens} or more"
         )
+    out.mkdir(parents=True, exist_ok=True)  # before the minutes of work whose result goes there
     target = load_target(gguf, dtype=torch.bfloat16)
     draft = load_draft(args.draft, dtype=torch.bfloat16)
     feats = tuple(draft.config.feature_layers)

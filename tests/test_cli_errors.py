@@ -500,13 +500,15 @@ def test_bench_options_that_need_another_are_refused_before_loading(tmp_path, ca
     assert not (tmp_path / "r").exists()
 
 
-def test_bench_engine_refuses_a_cache_shorter_than_a_prompt(capsys):
+def test_bench_engine_refuses_a_cache_shorter_than_a_prompt(capsys, tmp_path):
     from eval import bench_engine
 
+    out = tmp_path / "r"
     code, err = exit_status(
-        bench_engine.main, ["--n", "1", "--max-len", "30", "--max-new-tokens", "4"], capsys
+        bench_engine.main, ["--n", "1", "--max-len", "30", "--max-new-tokens", "4", "--out", str(out)], capsys
     )
     assert code == 2 and "--max-len 30 holds no 53-token prompt" in err and "give --max-len 57 or more" in err
+    assert not out.exists()  # refused before its result directory was made
 
 
 def test_too_few_samples_for_one_batch_say_which_options():
