@@ -30,6 +30,8 @@ from maverick.files import atomic_write
 from maverick.generate import Decoder
 from maverick.target import TARGET_HELP, default_target_path, load_target, load_target_tokenizer
 from maverick.tokenizer import encode_chat
+from train.profiling import StepProfiler
+from train.profiling import describe as describe_profile
 
 
 def prompt_ids(tok, bench: str, n: int) -> list[list[int]]:
@@ -227,22 +229,19 @@ def main(argv=None) -> int:
     return 0
 
 
-def profile_steps(engine: CompiledTarget, ids: list[int], steps: int = 20) -> list[dict]:
-    """The ops taking the time of compiled decode steps (torch.profiler, CPU), top 15 by self time."""
-    from torch.profiler import ProfilerActivity, profile
-
+def profile_steps(engine: CompiledTarget, ids: list[int], steps: int = 20) -> dict | None:
+    """torch.profiler over `steps` compiled decode steps after a prefill and 2 unrecorded steps
+    (train/profiling.py's StepProfiler: wall and CPU ms per step, the top 15 ops by their own time)."""
+    prof = StepProfiler(2, steps, torch.device("cpu"))
     cache = engine.new_cache(1)
     engine(torch.tensor([ids]), cache)
     tok = torch.tensor([[5]])
-    engine(tok, cache)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            engine(tok, cache)
-    rows = []
-    for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]:
-        rows.append({"op": e.key, "calls": e.count, "self_ms_per_step": e.self_cpu_time_total / 1000 / steps})
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), file=sys.stderr)
-    return rows
+    for _ in range(2 + steps):
+        engine(tok, cache)
+        prof.step()
+    summary = prof.summary()
+    print(describe_profile("compiled decode", summary), file=sys.stderr)
+    return summary
 
 
 if __name__ == "__main__":

@@ -1,10 +1,15 @@
 """scripts/gpu_decode.py's logic on the CPU (its methods run on a lent GPU): the eager methods decode the
-payload's prompts losslessly, and --profile brings back where each method's step goes."""
+payload's prompts losslessly, and --profile brings back where each method's step goes; eval.bench_engine's
+--profile gives the same summary for the compiled engine's steps."""
 
 import importlib.util
 import json
 from pathlib import Path
 
+import torch
+
+from maverick.config import get_config
+from maverick.model import Llama4
 from maverick.tokenizer import default_gguf_path
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_decode.py"
@@ -26,3 +31,24 @@ def test_gpu_decode_runs_the_eager_methods_and_profiles_them(tmp_path):
         prof = r["profile"][m]
         assert prof["steps"] == 2 and prof["wall_ms"] > 0 and len(prof["ops"]) == 15
         assert "device_ms" not in prof  # a CPU run: the ops' CPU time only
+
+
+def test_bench_engine_profiles_its_decode_steps(capsys):
+    from eval.bench_engine import profile_steps
+
+    model = Llama4(get_config("tiny-dense")).eval()
+    calls = []
+
+    class Engine:  # CompiledTarget's two calls, on the eager model
+        def new_cache(self, batch_size):
+            return model.new_cache(batch_size, 64)
+
+        def __call__(self, tokens, cache):
+            calls.append(tokens.shape[1])
+            with torch.no_grad():
+                return model(tokens, cache=cache)
+
+    prof = profile_steps(Engine(), [1, 2, 3], steps=3)
+    assert calls == [3] + [1] * 5  # the prefill, 2 unrecorded steps, 3 recorded ones
+    assert prof["steps"] == 3 and prof["wall_ms"] > 0 and prof["ops"] and "device_ms" not in prof
+    assert "compiled decode profile" in capsys.readouterr().err
