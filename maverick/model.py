@@ -140,9 +140,7 @@ class Attention(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv)
         elif ctx.full_bias is not None:  # a short call on the exact path (Llama4.forward)
             o = exact_attention(q, k, v, ctx.chunk_bias if self.chunked else ctx.full_bias)
-        elif (
-            ctx.n_valid is not None
-        ):  # batched decoding (train/fastgen.py, train.regenerate, eval.acceptance)
+        elif ctx.n_valid is not None:  # batched decoding, not exact (train/fastgen.py, Decoder(exact=False))
             n_valid = None if self.chunked else ctx.n_valid  # a chunked layer's window: the mask
             o = decode_attention(q, k.to(q.dtype), v.to(q.dtype), mask, n_valid)
         else:  # a cache may hold bf16 values in fp32 (exact decoding): the cast back is lossless
