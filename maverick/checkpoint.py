@@ -278,7 +278,7 @@ def atomic_dir(path: str | os.PathLike, tmp_prefix: str | None = None):
     is removed, so a reader never sees a half-written checkpoint."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix or path.name + ".tmp", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix or path.name + ".tmp-", dir=path.parent))
     try:
         yield tmp
         if path.exists():

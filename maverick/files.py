@@ -3,7 +3,8 @@
 The files the project keeps (configs, manifests, logs, answers, dump shards, training states, reports, plots)
 are written under a temporary name beside their place, flushed to disk, then renamed over it in one step; whole
 directories (checkpoints, drafts) go through `maverick.checkpoint.atomic_dir`. A run killed mid-write leaves a
-`<name>.tmp-*` file, which no reader takes for the real one (their globs end in the real suffix).
+`<name>.tmp-*` file or folder, which no reader takes for the real one (their globs end in the real suffix) and
+`remove_leftovers` deletes when a job starts again in that directory.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,3 +39,12 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
     with atomic_path(path) as tmp:
         tmp.write_bytes(data.encode() if isinstance(data, str) else data)
     return Path(path)
+
+
+def remove_leftovers(directory: str | os.PathLike) -> list[Path]:
+    """Delete the `<name>.tmp-*` files and folders a killed write left in `directory` (not below it): they are
+    never whole. Returns what was deleted."""
+    gone = sorted(Path(directory).glob("*.tmp-*"))
+    for p in gone:
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+    return gone

@@ -108,7 +108,7 @@ run() {
   cp -f "$STAGE/out/stage.json" "$OUT/" 2>/dev/null || true
   # results as pieces of at most 15 MiB (a returned file may be 16 MiB), the resumable state left out
   if [ -d "$STAGE/out" ]; then
-    tar -C "$STAGE" --exclude=train_state.pt --exclude='*.tmp' -cf - out | split -b 15M -d -a 1 - "$OUT/out.tar."
+    tar -C "$STAGE" --exclude=train_state.pt --exclude='*.tmp-*' -cf - out | split -b 15M -d -a 1 - "$OUT/out.tar."
   fi
   ls -la "$OUT"
   return "$rc"

@@ -1,11 +1,13 @@
 """maverick.files: a write either lands whole or leaves the old file as it was."""
 
 import os
+import shutil
 
 import pytest
 import torch
 
-from maverick.files import atomic_path, atomic_write
+from maverick.checkpoint import atomic_dir
+from maverick.files import atomic_path, atomic_write, remove_leftovers
 
 
 def test_write_replaces_the_file_and_leaves_nothing_beside_it(tmp_path):
@@ -39,3 +41,26 @@ def test_the_file_gets_the_usual_permissions(tmp_path):
     plain.write_bytes(b"x")
     atomic_write(atomic, b"x")
     assert os.stat(atomic).st_mode == os.stat(plain).st_mode  # not mkstemp's 0600
+
+
+def test_leftovers_of_killed_writes_are_found_and_removed(tmp_path):
+    """What a write killed mid-way leaves (a file of atomic_path, a folder of atomic_dir) is removed; the
+    finished files beside it, and anything below, stay."""
+    keep = [tmp_path / "stage.json", tmp_path / "draft" / "model.safetensors", tmp_path / "sub" / "x.tmp-1"]
+    for p in keep:
+        p.parent.mkdir(exist_ok=True)
+        p.write_bytes(b"x")
+    with pytest.raises(KeyboardInterrupt), atomic_path(tmp_path / "train_state.pt") as tmp:
+        tmp.write_bytes(b"half")
+        killed = tmp.with_name(tmp.name + "x")
+        os.link(tmp, killed)  # what a SIGKILL would leave: the finally below never runs then
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt), atomic_dir(tmp_path / "draft") as d:
+        (d / "model.safetensors").write_bytes(b"half")
+        shutil.copytree(d, tmp_path / (d.name + "x"))
+        raise KeyboardInterrupt
+    left = sorted(p.name for p in tmp_path.iterdir() if ".tmp-" in p.name)
+    assert len(left) == 2 and left[0].startswith("draft.tmp-") and left[1].startswith("train_state.pt.tmp-")
+    assert sorted(p.name for p in remove_leftovers(tmp_path)) == left
+    assert all(p.read_bytes() == b"x" for p in keep)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft", "stage.json", "sub"]

@@ -172,11 +172,12 @@ def test_interrupted_training_resumes_from_its_checkpoint(tmp_path, monkeypatch)
         json.loads((out / "stage.json").read_text())["phases"]
     ) == {"regen"}
     revive()
+    (out / "train_state.pt.tmp-1-ab").write_bytes(b"half")  # a save a SIGKILL cut short: never read, removed
     s = run(target, data, out, "--checkpoint-seconds", "0")
     tr = s["phases"]["train"]
     assert (tr["steps"], tr["steps_this_run"]) == (6, 2) and s["phases"]["regen"]["conversations"] == 5
     assert [json.loads(x)["step"] for x in (out / "train_log.jsonl").read_text().splitlines()] == [2, 4, 6]
-    assert not (out / "train_state.pt").exists()
+    assert not (out / "train_state.pt").exists() and not list(out.glob("*.tmp-*"))
 
 
 def test_eagle31_stage_carries_an_eagle3_draft(tmp_path):

@@ -62,7 +62,7 @@ from maverick.cli import (
     positive_int,
     run_cli,
 )
-from maverick.files import atomic_path, atomic_write
+from maverick.files import atomic_path, atomic_write, remove_leftovers
 from maverick.model import Llama4
 from maverick.target import TARGET_DTYPES, TARGET_HELP, default_target_path, load_target, target_identity
 from train.samples import add_data_args, chat_samples, draft_vocab_from
@@ -245,9 +245,8 @@ def write_dumps(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for tmp in out.glob("*.tmp-*"):  # left by an interrupted run: never valid
-        log.info("deleting partial file %s", tmp)
-        tmp.unlink()
+    for tmp in remove_leftovers(out):  # left by an interrupted run: never valid
+        log.info("deleted partial file %s", tmp)
     store_dtype = STORE_DTYPES[settings.dtype]
     n = len(samples)
     if n == 0:

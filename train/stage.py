@@ -62,7 +62,7 @@ from maverick.cli import (
     run_cli,
     share,
 )
-from maverick.files import atomic_path, atomic_write
+from maverick.files import atomic_path, atomic_write, remove_leftovers
 from maverick.model import Llama4
 from maverick.target import default_target_path, load_target
 from train import answers as answer_file
@@ -126,6 +126,7 @@ class Stage:
         self.budget = args.minutes * 60.0
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(self.out)  # a killed run's half-written files (its training state's copy: ~60 MB)
         self.state: dict[str, Any] = (
             json.loads((self.out / STATE).read_text()) if (self.out / STATE).is_file() else {}
         )
