@@ -59,12 +59,16 @@ def generate(model, convs, **kw) -> tuple[dict, object]:
     return got, stats
 
 
-def test_continuous_batching_equals_plain_decoding_per_conversation():
+@pytest.mark.parametrize(
+    "prefill_rows", [None, 4]
+)  # the CPU's default (2 rows a forward), and 4 padded together
+def test_continuous_batching_equals_plain_decoding_per_conversation(prefill_rows):
     model = tiny_model()
     convs = conversations(14)
     got, stats = generate(
-        model, convs, batch_size=4, max_len=96, max_new_tokens=12, slot_bucket=32, refill_min=2
-    )
+        model, convs, batch_size=4, max_len=96, max_new_tokens=12, slot_bucket=32, refill_min=2,
+        prefill_rows=prefill_rows,
+    )  # fmt: skip
     want = {c.id: reference(model, c, 12, 96) for c in convs}
     assert got == want
     # the test exercises what it claims: refills, early stops, several turns, some cut by max_new
