@@ -142,7 +142,9 @@ class Attention(nn.Module):
             o = exact_attention(q, k, v, ctx.chunk_bias if self.chunked else ctx.full_bias)
         elif ctx.n_valid is not None:  # batched decoding, not exact (train/fastgen.py, Decoder(exact=False))
             n_valid = None if self.chunked else ctx.n_valid  # a chunked layer's window: the mask
-            o = decode_attention(q, k.to(q.dtype), v.to(q.dtype), mask, n_valid)
+            if q.is_cuda:  # the kernel takes one dtype; a CPU's product reads an fp32 cache as it is
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            o = decode_attention(q, k, v, mask, n_valid)
         else:  # a cache may hold bf16 values in fp32 (exact decoding): the cast back is lossless
             k, v = k.to(q.dtype), v.to(q.dtype)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
@@ -501,13 +503,14 @@ class Llama4(nn.Module):
     def new_cache(
         self, batch_size: int, max_len: int, dtype: torch.dtype | None = None, exact: bool = True
     ) -> KVCache:
-        """exact: short calls use `exact_attention` (see the note there), and on CPU the cache stores fp32
-        by default: keys and values are rounded to the model dtype before they are written, so fp32 holds
-        them exactly and the fp32 attention reads them without a cast per layer and step (twice the
-        memory; on GPUs, where that memory matters more and the cast costs less, the model dtype).
-        exact=False: the fused kernel, and the model dtype."""
+        """exact: short calls use `exact_attention` (see the note there); exact=False: batched one-token steps
+        use `decode_attention`, longer calls the fused kernel. On CPU the cache stores fp32 by default: keys
+        and values are rounded to the model dtype before they are written, so fp32 holds them exactly and
+        both fp32 attentions read them without a cast per layer and step (twice the memory; the cast of a
+        32-row, 1,536-slot bf16 cache cost 6x the attention itself on AMD EPYC; on GPUs, where that memory
+        matters more and the cast costs less, the model dtype)."""
         c = self.config
-        dtype = dtype or (torch.float32 if exact and self.device.type == "cpu" else self.dtype)
+        dtype = dtype or (torch.float32 if self.device.type == "cpu" else self.dtype)
         n_kv = self.model.layers[0].self_attn.n_kv  # the config's, or one rank's share (maverick/parallel.py)
         cache = KVCache(c.num_hidden_layers, batch_size, max_len, n_kv, c.head_dim, dtype, self.device)
         cache.exact = exact
