@@ -42,9 +42,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from maverick.checkpoint import atomic_dir, check_state_dict
+from maverick.checkpoint import check_state_dict
 from maverick.cli import UserError, read_utf8
 from maverick.config import Llama4Config, check_numbers
+from maverick.files import atomic_dir
 from maverick.kv_cache import KVCache, attention_mask
 from maverick.linear import Linear
 from maverick.model import MLP, RMSNorm, init_weights, rope_inv_freq

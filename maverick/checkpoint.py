@@ -10,13 +10,10 @@ writes that layout back. Only safetensors files are read (never pickles, never r
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -27,6 +24,7 @@ from safetensors.torch import save_file
 from maverick import hf_llama
 from maverick.cli import UserError
 from maverick.config import Llama4Config
+from maverick.files import atomic_dir
 from maverick.model import Llama4, rope_inv_freq
 
 log = logging.getLogger(__name__)
@@ -270,23 +268,6 @@ def load_hf_tables(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor,
         if tuple(sd[key].shape) != shape:
             raise CheckpointError(f"{path}: key {key!r} has shape {tuple(sd[key].shape)}, expected {shape}")
     return sd[EMBED_KEY], sd[EMBED_KEY] if cfg.tie_word_embeddings else sd[HEAD_KEY], cfg
-
-
-@contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike, tmp_prefix: str | None = None):
-    """Yield a temporary directory beside `path`; on success it replaces `path` in one rename, on error it
-    is removed, so a reader never sees a half-written checkpoint."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix or path.name + ".tmp-", dir=path.parent))
-    try:
-        yield tmp
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
 
 
 def save_hf(

@@ -2,7 +2,7 @@
 
 The files the project keeps (configs, manifests, logs, answers, dump shards, training states, reports, plots)
 are written under a temporary name beside their place, flushed to disk, then renamed over it in one step; whole
-directories (checkpoints, drafts) go through `maverick.checkpoint.atomic_dir`. A run killed mid-write leaves a
+directories (checkpoints, drafts) go through `atomic_dir`. A run killed mid-write leaves a
 `<name>.tmp-*` file or folder, which no reader takes for the real one (their globs end in the real suffix) and
 `remove_leftovers` deletes when a job starts again in that directory.
 """
@@ -32,6 +32,26 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike, tmp_prefix: str | None = None) -> Iterator[Path]:
+    """Yield a temporary directory beside `path` (named `tmp_prefix` + a unique tail, by default
+    `<name>.tmp-`) to fill; on success it replaces `path` in one rename, on error it is removed, so a reader
+    never sees a half-written checkpoint."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # not mkdtemp: its folder is private (0700), and a draft or checkpoint is for others to read too
+    tmp = path.with_name(f"{tmp_prefix or path.name + '.tmp-'}{os.getpid()}-{secrets.token_hex(4)}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
 
 
 def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
-from maverick.checkpoint import atomic_dir, load_hf, load_hf_tables
+from maverick.checkpoint import load_hf, load_hf_tables
 from maverick.cli import UserError
 from maverick.config import Llama4Config
+from maverick.files import atomic_dir
 from maverick.gguf_loader import default_gguf_path
 from maverick.gguf_model import load_gguf_model
 from maverick.model import Llama4

@@ -27,8 +27,8 @@ import hashlib
 import pathlib
 from collections.abc import Mapping, Sequence
 
-from maverick.checkpoint import atomic_dir
 from maverick.cli import UserError
+from maverick.files import atomic_dir
 from maverick.gguf_loader import default_gguf_path, read_metadata
 
 # a GGUF file's tokenizer as transformers built it, saved (the repository's .cache, beside the AOT packages)

@@ -6,8 +6,7 @@ import shutil
 import pytest
 import torch
 
-from maverick.checkpoint import atomic_dir
-from maverick.files import atomic_path, atomic_write, remove_leftovers
+from maverick.files import atomic_dir, atomic_path, atomic_write, remove_leftovers
 
 
 def test_write_replaces_the_file_and_leaves_nothing_beside_it(tmp_path):
@@ -36,11 +35,17 @@ def test_a_leftover_temporary_name_does_not_match_the_real_suffix(tmp_path):
         tmp.write_bytes(b"x")
 
 
-def test_the_file_gets_the_usual_permissions(tmp_path):
+def test_files_and_folders_get_the_usual_permissions(tmp_path):
     plain, atomic = tmp_path / "plain", tmp_path / "atomic"
     plain.write_bytes(b"x")
     atomic_write(atomic, b"x")
     assert os.stat(atomic).st_mode == os.stat(plain).st_mode  # not mkstemp's 0600
+    (tmp_path / "plain-dir").mkdir()
+    with atomic_dir(tmp_path / "draft") as d:
+        (d / "config.json").write_text("{}")
+    assert (
+        os.stat(tmp_path / "draft").st_mode == os.stat(tmp_path / "plain-dir").st_mode
+    )  # not mkdtemp's 0700
 
 
 def test_leftovers_of_killed_writes_are_found_and_removed(tmp_path):

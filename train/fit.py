@@ -62,7 +62,6 @@ from torch import Tensor, nn
 
 from eagle3.draft import NORM_VARIANTS, DraftConfig, Eagle3Draft, load_draft, save_draft
 from eagle3.vocab import grow_draft_vocab
-from maverick.checkpoint import atomic_dir
 from maverick.cli import (
     UserError,
     add_threads_option,
@@ -76,7 +75,7 @@ from maverick.cli import (
     share,
 )
 from maverick.config import Llama4Config
-from maverick.files import atomic_path, atomic_write
+from maverick.files import atomic_dir, atomic_path, atomic_write
 from maverick.target import TARGET_DTYPES, default_target_path, load_target_tables, target_identity
 from train.dump import DumpDataset
 from train.online import OnlineDataset
