@@ -13,10 +13,11 @@ rule, and each position counts the probability that a sampled chain keeps its dr
 `--turns 2` scores MT-bench's second turns too, each asked after the target's own first answer (as text in
 the chat, as eval.bench asks it), pooled with the first and shown per turn.
 
-The target's answers do not depend on the drafts, and generating them is most of a run (101 of 148 s for
-MT-bench's 80 on 2 cores), so they are kept in `.cache/answers/`, keyed by everything they depend on (the
-target file's path, size and mtime, dtype, --max-new-tokens, the prompt ids, the sampling rule and seed,
-torch, the CPU and the thread count); the next comparison on the same prompts starts at the drafts.
+The target's answers do not depend on the drafts, and generating them is over half of a run (61 of 105 s
+for MT-bench's 80 on 2 cores), so they are kept in `.cache/answers/`, keyed by everything they depend on
+(the target file's path, size and mtime, dtype, --max-new-tokens, the prompt ids, the sampling rule and
+seed, torch, the CPU, the thread count and ANSWERS_VERSION, the batched kernels' version); the next
+comparison on the same prompts starts at the drafts.
 `--fresh-answers` generates them again.
 """
 
