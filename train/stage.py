@@ -126,7 +126,7 @@ class Stage:
         self.budget = args.minutes * 60.0
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        remove_leftovers(self.out)  # a killed run's half-written files (its training state's copy: ~60 MB)
+        remove_leftovers(self.out)  # a killed run's half-written files (a training state: ~110 MiB)
         self.state: dict[str, Any] = (
             json.loads((self.out / STATE).read_text()) if (self.out / STATE).is_file() else {}
         )
