@@ -104,9 +104,10 @@ def check_self_check() -> None:
 
 
 def test_cpu_product_is_exact_to_the_rounding_of_its_output():
-    """On a CPU, batched decoding's attention (grouped_decode_attention) computes in fp32 from the bf16 cache:
-    each output is within bf16's rounding (2^-8 relative) of the fp64 result over the same inputs. Rounding
-    the probabilities to bf16 first (as SDPA's CPU kernel and the CUDA path do) breaks that bound here."""
+    """On a CPU, batched decoding's attention (grouped_decode_attention) computes in fp32 (from the fp32 cache
+    a CPU keeps, or, as here, a bf16 one cast): each output is within bf16's rounding (2^-8 relative) of the
+    fp64 result over the same inputs. Rounding the probabilities to bf16 first (as SDPA's CPU kernel and the
+    CUDA path do) breaks that bound here."""
     import torch
 
     from maverick.decode_attention import grouped_decode_attention

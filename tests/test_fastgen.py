@@ -59,9 +59,7 @@ def generate(model, convs, **kw) -> tuple[dict, object]:
     return got, stats
 
 
-@pytest.mark.parametrize(
-    "prefill_rows", [None, 4]
-)  # the CPU's default (2 rows a forward), and 4 padded together
+@pytest.mark.parametrize("prefill_rows", [None, 4])  # the CPU's 2 rows a forward; 4 padded together
 def test_continuous_batching_equals_plain_decoding_per_conversation(prefill_rows):
     model = tiny_model()
     convs = conversations(14)

@@ -40,12 +40,11 @@ def test_files_and_folders_get_the_usual_permissions(tmp_path):
     plain.write_bytes(b"x")
     atomic_write(atomic, b"x")
     assert os.stat(atomic).st_mode == os.stat(plain).st_mode  # not mkstemp's 0600
-    (tmp_path / "plain-dir").mkdir()
-    with atomic_dir(tmp_path / "draft") as d:
+    plain_dir, draft = tmp_path / "plain-dir", tmp_path / "draft"
+    plain_dir.mkdir()
+    with atomic_dir(draft) as d:
         (d / "config.json").write_text("{}")
-    assert (
-        os.stat(tmp_path / "draft").st_mode == os.stat(tmp_path / "plain-dir").st_mode
-    )  # not mkdtemp's 0700
+    assert os.stat(draft).st_mode == os.stat(plain_dir).st_mode  # not mkdtemp's 0700
 
 
 def test_leftovers_of_killed_writes_are_found_and_removed(tmp_path):
