@@ -66,5 +66,8 @@ def remove_leftovers(directory: str | os.PathLike) -> list[Path]:
     never whole. Returns what was deleted."""
     gone = sorted(Path(directory).glob("*.tmp-*"))
     for p in gone:
-        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink(missing_ok=True)
     return gone
