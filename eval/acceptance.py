@@ -284,8 +284,10 @@ def answers_path(
     batched bf16 kernels' choices included: torch, the CPU, the thread count, ANSWERS_VERSION; for sampled
     answers the rule and the seed)."""
     ident = target_identity(target) | {"mtime_ns": Path(target).expanduser().resolve().stat().st_mtime_ns}
-    key = [ident, dtype, max_new_tokens, prompts, torch.__version__, cpu_name(), torch.get_num_threads()]
-    key += [ANSWERS_VERSION]
+    key = [
+        ident, dtype, max_new_tokens, prompts, torch.__version__, cpu_name(), torch.get_num_threads(),
+        ANSWERS_VERSION,
+    ]  # fmt: skip
     if sampling is not None and not sampling.greedy:
         key.append([sampling.temperature, sampling.top_k, sampling.top_p, seed])
     return ANSWERS_DIR / f"{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24]}.json"
