@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eagle3.draft import check_draft_fits, load_draft
+from eagle3.draft import DEFAULT_DRAFT, check_draft_fits, load_draft
 from eval.prompts import BENCHMARKS, answer_text, chat_ids, check_prompts_option, load_benchmark
 from maverick.aot import cpu_name
 from maverick.cli import UserError, add_threads_option, output_file, positive_int, run_cli
@@ -69,7 +69,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         description="Teacher-forced chain acceptance of EAGLE-3 drafts on a benchmark's prompts (first turns, "
         "or --turns 2): greedy, or sampled with --temperature > 0 (the target's answers drawn with the same rule).",
     )
-    ap.add_argument("--draft", action="append", required=True, help="draft directory (repeat to compare)")
+    ap.add_argument("--draft", action="append", default=None,
+                    help="draft directory, or a training run's --out (repeat to compare; default: the shipped "
+                    "draft, eagle3/drafts/smollm2-135m-instruct)")  # fmt: skip
     ap.add_argument("--bench", choices=BENCHMARKS, default="mtbench")
     ap.add_argument("--prompts", default=None, help="JSONL of prompts for --bench jsonl")
     ap.add_argument("--n", type=positive_int, default=80, help="number of prompts")
@@ -86,6 +88,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     help="generate the target's answers again instead of reading them from .cache/answers")  # fmt: skip
     ap.add_argument("--out", type=output_file, default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
+    args.draft = args.draft or [str(DEFAULT_DRAFT)]
     check_prompts_option(args.bench, args.prompts)
     if args.max_new_tokens <= args.steps:
         raise UserError(
@@ -195,7 +198,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 ANSWERS_DIR = Path(__file__).resolve().parent.parent / ".cache" / "answers"
 # 2: batched decoding's attention on a CPU computes in fp32 (maverick.decode_attention), not in SDPA's bf16
-ANSWERS_VERSION = 2
+# 3: batches of like prompt lengths (train.acceptance.answers_of); on the AMD EPYC the same tokens as 2
+ANSWERS_VERSION = 3
 
 
 @dataclass

@@ -55,6 +55,29 @@ def test_run_lengths_predict_each_cycle_of_a_decoding_run():
     assert checked >= 40 and sum(accepted) > 0  # enough cycles, some accepting
 
 
+def test_answers_are_batched_by_padded_prompt_tokens_and_returned_in_order(monkeypatch):
+    """answers_of batches longest prompts first, within --batch-size rows and prefill_tokens padded prompt
+    tokens (a long prompt alone), and returns each prompt's answer in place: the answers decoded one
+    prompt at a time."""
+    model = make_target()
+    g = torch.Generator().manual_seed(0)
+    lengths = [3, 40, 5, 21, 7, 20]
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    batches = []
+    real = acceptance_mod.Decoder.generate
+
+    def spy(self, chunk, *a, **kw):
+        batches.append([len(p) for p in chunk])
+        return real(self, chunk, *a, **kw)
+
+    monkeypatch.setattr(acceptance_mod.Decoder, "generate", spy)
+    got = answers_of(model, prompts, 6, batch_size=3, prefill_tokens=42)
+    assert batches == [[40], [21, 20], [7, 5, 3]]
+    batches.clear()
+    assert got == [answers_of(model, [p], 6)[0] for p in prompts] and len(batches) == 6
+    assert all(len(a) == 6 for a in got)  # no stop token in a random tiny model's 6 tokens
+
+
 def test_summarize_counts_runs():
     s = summarize([reach_of_runs(torch.tensor([0, 1, 2, 5, 3, 0, 1, 4]), 5)], 5)
     assert s["positions"] == 8
@@ -126,6 +149,8 @@ def test_cli_keeps_the_targets_answers_and_reads_them_back(tmp_path, monkeypatch
     assert len(generated) == 1 and first["answers_cached"] is None
     cache = tmp_path / "answers" / Path(second["answers_cached"]).name
     assert second["drafts"] == first["drafts"] and cache.exists()
+    shipped = acceptance.main(argv[2:])  # without --draft: the shipped draft, the same directory
+    assert list(shipped["drafts"].values()) == list(first["drafts"].values()) and len(generated) == 1
     assert f"read from {cache}" in capsys.readouterr().out
     assert acceptance.main([*argv, "--fresh-answers"])["answers_cached"] is None and len(generated) == 2
     other = acceptance.main([*argv[:-2], "--steps", "4"])  # --steps does not change the answers

@@ -67,19 +67,29 @@ def answers_of(
     batch_size: int = 16,
     sampling: SamplingParams | None = None,
     seed: int = 0,
+    prefill_tokens: int = 8192,
 ) -> list[list[int]]:
-    """The target's answers (up to and including a stop token), in batches: greedy, or drawn with
-    `sampling` from one generator seeded with `seed`."""
-    out: list[list[int]] = []
+    """The target's answers (up to and including a stop token), in the prompts' order: greedy, or drawn
+    with `sampling` from one generator seeded with `seed`.
+
+    A batch prefills every row padded to its longest prompt, so batches are made longest prompts first, of
+    up to `batch_size` rows and `prefill_tokens` padded prompt tokens: a long prompt goes with few others or
+    alone. ShareGPT's held-out first turns run from 31 to 3,195 tokens; in batches of 16 in their own order,
+    16 rows padded to 3,195 took 153 of a run's ~200 s to prefill on 2 cores."""
+    out: list[list[int]] = [[] for _ in prompts]
     g = None if sampling is None or sampling.greedy else torch.Generator(model.device).manual_seed(seed)
-    for i in range(0, len(prompts), batch_size):
-        chunk = prompts[i : i + batch_size]
-        dec = Decoder(
-            model, max_len=max(map(len, chunk)) + max_new_tokens + 8, batch_size=len(chunk), exact=False
-        )
-        out += dec.generate(
+    order = sorted(range(len(prompts)), key=lambda j: -len(prompts[j]))
+    while order:
+        longest = len(prompts[order[0]])
+        n = max(1, min(batch_size, prefill_tokens // longest))
+        rows, order = order[:n], order[n:]
+        chunk = [prompts[j] for j in rows]
+        dec = Decoder(model, max_len=longest + max_new_tokens + 8, batch_size=len(chunk), exact=False)
+        got = dec.generate(
             chunk, max_new_tokens, sampling=sampling, stop_ids=model.config.eos_ids, generator=g
-        ).tokens
+        )
+        for j, answer in zip(rows, got.tokens):
+            out[j] = answer
     return out
 
 
