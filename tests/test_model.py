@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import Llama4Config as HFConfig
 from transformers import Llama4ForCausalLM, Llama4ForConditionalGeneration, Llama4TextConfig
@@ -138,6 +139,42 @@ def test_incremental_decoding_matches_full_forward(pair):
                 parts.append(m(x[:, s : s + step], cache=cache).logits)
             inc = torch.cat(parts, dim=1)
             assert rel_err(inc, full) < 1e-5, step
+
+
+def test_long_prefill_into_an_empty_cache_takes_the_causal_kernel(pair, monkeypatch):
+    """A prefill of more than EXACT_ATTENTION_MAX_T tokens into an empty cache attends with SDPA's
+    is_causal over its own keys (chunked layers keep their mask): the bits of a cache-free forward, the
+    masked kernel's logits within 1e-5, and right-padded rows of unequal length each as if alone; decoding
+    continues from it as from the full forward."""
+    _, m, cfg = pair
+    causal = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*a, **kw):
+        causal.append(kw.get("is_causal", False))
+        return sdpa(*a, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    plain = [i for i in range(cfg.num_hidden_layers) if not cfg.is_chunked(i)]
+    assert 0 < len(plain) < cfg.num_hidden_layers  # both kinds of layer in the tiny config
+    g = torch.Generator().manual_seed(7)
+    x = torch.randint(0, cfg.vocab_size, (2, 90), generator=g)
+    with torch.no_grad():
+        full = m(x).logits
+        cache = m.new_cache(2, 192)
+        causal.clear()
+        pre = m(x[:, :80], cache=cache).logits
+        assert causal == [i in plain for i in range(cfg.num_hidden_layers)]
+        assert torch.equal(pre, m(x[:, :80]).logits)  # the same kernel over the same keys
+        causal.clear()  # explicit positions: the mask, as before
+        masked = m(x[:, :80], cache=m.new_cache(2, 192), positions=torch.arange(80).expand(2, 80)).logits
+        assert not any(causal) and rel_err(pre, masked) < 1e-5
+        causal.clear()  # a cache already in use: the mask
+        rest = [m(x[:, 80:90], cache=cache).logits]
+        assert not any(causal) and rel_err(rest[0], full[:, 80:]) < 1e-5
+    prompts = [x[0, :70].tolist(), x[1, :88].tolist()]
+    batched = Decoder(m, max_len=128, batch_size=2).generate(prompts, max_new_tokens=6).tokens
+    assert batched == [Decoder(m, max_len=128).generate([p], max_new_tokens=6).tokens[0] for p in prompts]
 
 
 def test_rollback_equals_never_written(pair):
