@@ -198,7 +198,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 ANSWERS_DIR = Path(__file__).resolve().parent.parent / ".cache" / "answers"
 # 2: batched decoding's attention on a CPU computes in fp32 (maverick.decode_attention), not in SDPA's bf16
-# 3: batches of like prompt lengths (train.acceptance.answers_of); on the AMD EPYC the same tokens as 2
+# 3: batches of like prompt lengths (train.acceptance.answers_of; the same tokens as 2 on an AMD EPYC) and
+#    prefills of over 64 tokens with SDPA's is_causal (maverick.model; a few answers change in their bits)
 ANSWERS_VERSION = 3
 
 
