@@ -137,10 +137,8 @@ class Attention(nn.Module):
         if ctx.tree is not None:
             o = tree_attention(q, k, v, ctx.tree, self.chunked)
         elif ctx.causal and not self.chunked:  # the plain causal mask over the call's own T keys
-            k, v = (
-                k[:, :, :T].to(q.dtype),
-                v[:, :, :T].to(q.dtype),
-            )  # an empty cache's first T slots hold them
+            # an empty cache's first T slots hold them
+            k, v = k[:, :, :T].to(q.dtype), v[:, :, :T].to(q.dtype)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv)
         elif ctx.full_bias is not None:  # a short call on the exact path (Llama4.forward)
             o = exact_attention(q, k, v, ctx.chunk_bias if self.chunked else ctx.full_bias)
