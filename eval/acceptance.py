@@ -27,6 +27,7 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from tqdm import tqdm
 
 from eagle3.draft import DEFAULT_DRAFT, check_draft_fits, load_draft
 from eval.prompts import BENCHMARKS, answer_text, chat_ids, check_prompts_option, load_benchmark
@@ -129,7 +131,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         draft = drafts[path]
         layers = tuple(draft.config.feature_layers)
         if layers not in fields:
-            fields[layers] = [target_fields(model, p, a, layers) for p, a in zip(prompts, answers)]
+            pairs = tqdm(
+                list(zip(prompts, answers)), desc="target", unit="answer", file=sys.stderr, leave=False
+            )
+            fields[layers] = [target_fields(model, p, a, layers) for p, a in pairs]
         if not probs:
             p_next = [
                 None if sampling.greedy else next_token_probs(model, p, a, f, sampling)
@@ -140,7 +145,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 for p, a, f, n in zip(prompts, answers, fields[layers], p_next)
             ]
         reach, details = [], []
-        for p, a, f, tp, n in zip(prompts, answers, fields[layers], probs, p_next):
+        scored = zip(prompts, answers, fields[layers], probs, p_next)
+        for p, a, f, tp, n in tqdm(list(scored), desc="draft", unit="answer", file=sys.stderr, leave=False):
             if sampling.greedy:
                 reach.append(reach_of_runs(run_lengths(model, draft, p, a, args.steps, f), args.steps))
             else:
@@ -272,7 +278,7 @@ def target_answers(
     answers = None if fresh else read_answers(path, len(prompts))
     if answers is not None:
         return answers, path
-    answers = answers_of(model, prompts, max_new_tokens, sampling=sampling, seed=seed)
+    answers = answers_of(model, prompts, max_new_tokens, sampling=sampling, seed=seed, progress=True)
     write_answers(path, answers)
     return answers, None
 

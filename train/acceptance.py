@@ -46,11 +46,13 @@ Trees are not covered (a tree accepts what its top-k branches hold; use eval.ben
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+from tqdm import tqdm
 
 from eagle3.draft import Eagle3Draft
 from maverick.generate import Decoder
@@ -68,6 +70,7 @@ def answers_of(
     sampling: SamplingParams | None = None,
     seed: int = 0,
     prefill_tokens: int = 8192,
+    progress: bool = False,
 ) -> list[list[int]]:
     """The target's answers (up to and including a stop token), in the prompts' order: greedy, or drawn
     with `sampling` from one generator seeded with `seed`.
@@ -75,10 +78,14 @@ def answers_of(
     A batch prefills every row padded to its longest prompt, so batches are made longest prompts first, of
     up to `batch_size` rows and `prefill_tokens` padded prompt tokens: a long prompt goes with few others or
     alone. ShareGPT's held-out first turns run from 31 to 3,195 tokens: in batches of 16, the one holding the
-    longest spent 153 s prefilling 16 rows padded to 3,195 tokens on 2 cores; its 80 answers take 91 s now."""
+    longest spent 153 s prefilling 16 rows padded to 3,195 tokens on 2 cores; its 80 answers take 91 s now.
+    progress: a progress bar on stderr, a batch at a time."""
     out: list[list[int]] = [[] for _ in prompts]
     g = None if sampling is None or sampling.greedy else torch.Generator(model.device).manual_seed(seed)
     order = sorted(range(len(prompts)), key=lambda j: -len(prompts[j]))
+    bar = tqdm(
+        total=len(prompts), desc="answers", unit="prompt", file=sys.stderr, disable=not progress, leave=False
+    )
     while order:
         longest = len(prompts[order[0]])
         n = max(1, min(batch_size, prefill_tokens // longest))
@@ -90,6 +97,8 @@ def answers_of(
         )
         for j, answer in zip(rows, got.tokens):
             out[j] = answer
+        bar.update(len(rows))
+    bar.close()
     return out
 
 
