@@ -58,7 +58,7 @@ from eagle3.draft import Eagle3Draft
 from maverick.generate import Decoder
 from maverick.model import Llama4
 from maverick.sampling import SamplingParams, logits_to_probs
-from train.dump import run_target
+from train.dump import plan_batches, run_target
 from train.ttt import ttt_unroll
 
 
@@ -76,22 +76,19 @@ def answers_of(
     with `sampling` from one generator seeded with `seed`.
 
     A batch prefills every row padded to its longest prompt, so batches are made longest prompts first, of
-    up to `batch_size` rows and `prefill_tokens` padded prompt tokens: a long prompt goes with few others or
-    alone. ShareGPT's held-out first turns run from 31 to 3,195 tokens: in batches of 16, the one holding the
-    longest spent 153 s prefilling 16 rows padded to 3,195 tokens on 2 cores; its 80 answers take 91 s now.
+    up to `batch_size` rows and `prefill_tokens` padded prompt tokens (train.dump.plan_batches): a long
+    prompt goes with few others or alone. ShareGPT's held-out first turns run from 31 to 3,195 tokens: in
+    batches of 16, the one holding the longest spent 153 s prefilling 16 rows padded to 3,195 tokens on 2
+    cores; its 80 answers take 91 s now.
     progress: a progress bar on stderr, a batch at a time."""
     out: list[list[int]] = [[] for _ in prompts]
     g = None if sampling is None or sampling.greedy else torch.Generator(model.device).manual_seed(seed)
-    order = sorted(range(len(prompts)), key=lambda j: -len(prompts[j]))
     bar = tqdm(
         total=len(prompts), desc="answers", unit="prompt", file=sys.stderr, disable=not progress, leave=False
     )
-    while order:
-        longest = len(prompts[order[0]])
-        n = max(1, min(batch_size, prefill_tokens // longest))
-        rows, order = order[:n], order[n:]
-        chunk = [prompts[j] for j in rows]
-        dec = Decoder(model, max_len=longest + max_new_tokens + 8, batch_size=len(chunk), exact=False)
+    for rows in plan_batches([len(p) for p in prompts], prefill_tokens, batch_size):
+        chunk = [prompts[j] for j in rows]  # longest first
+        dec = Decoder(model, max_len=len(chunk[0]) + max_new_tokens + 8, batch_size=len(chunk), exact=False)
         got = dec.generate(
             chunk, max_new_tokens, sampling=sampling, stop_ids=model.config.eos_ids, generator=g
         )
