@@ -59,6 +59,29 @@ def test_unroll_equals_decoding_with_cache():
             assert torch.allclose(d.logits(h)[0, 0], unrolled[i][0, t], atol=1e-5), (t, i)
 
 
+@torch.no_grad()
+def test_unroll_from_a_start_index_gives_those_rows_of_the_whole_unroll():
+    """start = s computes indices s.. only (a prompt's answer positions): each step's rows are rows s.. of the
+    whole unroll, with right padding too, and the states (hidden=True) as well."""
+    d, emb = make_draft(seed=3)
+    B, T, H = 2, 14, d.config.hidden_size
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, d.config.vocab_size, (B, T), generator=g)
+    feats = torch.randn(B, T, 3 * H, generator=g)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, 11:] = False
+    for hidden in (False, True):
+        whole = dict(ttt_unroll(d, emb, ids, feats, 5, valid, hidden=hidden))
+        for start in (1, 6, 12):
+            part = dict(ttt_unroll(d, emb, ids, feats, 5, valid, hidden=hidden, start=start))
+            assert part.keys() == whole.keys()
+            for i, x in part.items():
+                assert x.shape[1] == T - start
+                ref = whole[i][:, start:]  # fp32; few-row matmuls may sum in another order
+                torch.testing.assert_close(x, ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
+    assert not torch.allclose(whole[1][:, 6:], whole[0][:, 6:])  # the steps differ: the check has teeth
+
+
 def test_loss_masks_and_decreases():
     d, emb = make_draft()
     B, T, H, V = 2, 16, d.config.hidden_size, d.config.vocab_size

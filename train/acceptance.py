@@ -125,17 +125,20 @@ def run_lengths(
     f = fields if fields is not None else target_fields(model, prompt, answer, draft.config.feature_layers)
     target = f["target_argmax"].long().to(model.device)  # target[t]: its greedy choice for x_{t+1}
     x = torch.as_tensor(ids, device=model.device)[None]
-    ok = torch.zeros(steps, T, dtype=torch.bool, device=model.device)
-    for i, logits in ttt_unroll(
-        draft, model.model.embed_tokens, x, f["features"][None].to(model.device), steps
-    ):
-        pred = draft.draft_to_target_ids[logits[0].argmax(-1)]  # index t, step i predicts x_{t+2+i}
-        ok[i, : T - 1 - i] = pred[: T - 1 - i] == target[1 + i :]
-    # leading correct steps: cumprod along the steps
-    run = ok.long().cumprod(0).sum(0)
     first = len(prompt) - 1
     last = T - 1 - steps  # index t scores steps 0..steps-1 only if t + steps <= T - 1
-    return run[first:last].cpu()
+    if last <= first:
+        return torch.zeros(0, dtype=torch.long)
+    n = last - first
+    ok = torch.zeros(steps, n, dtype=torch.bool, device=model.device)
+    unroll = ttt_unroll(
+        draft, model.model.embed_tokens, x, f["features"][None].to(model.device), steps, start=first
+    )
+    for i, logits in unroll:  # row j: index first + j; step i predicts x_{first+j+2+i}
+        pred = draft.draft_to_target_ids[logits[0, :n].argmax(-1)]
+        ok[i] = pred == target[first + 1 + i : last + 1 + i]
+    # leading correct steps: cumprod along the steps
+    return ok.long().cumprod(0).sum(0).cpu()
 
 
 CONFIDENT = 0.9  # the target's probability of its own token from which a position counts as confident
@@ -273,8 +276,10 @@ def _reach_rows(
     if last <= first:  # an answer of `steps` tokens or fewer scores no position
         return torch.zeros(B, 0, steps)
     keep = torch.ones(steps, B, last - first)
-    for i, logits in ttt_unroll(draft, model.model.embed_tokens, x, features.to(dev), steps):
-        q_d = logits_to_probs(logits[:, first:last], sampling)  # [B, n, V'] the draft's rule, as decoding's
+    for i, logits in ttt_unroll(draft, model.model.embed_tokens, x, features.to(dev), steps, start=first):
+        q_d = logits_to_probs(
+            logits[:, : last - first], sampling
+        )  # [B, n, V'] the draft's rule, as decoding's
         d = to_draft[x[:, first + 2 + i : last + 2 + i]]  # the emitted tokens the draft tokens are checked by
         q = torch.where(d >= 0, q_d.gather(2, d.clamp(min=0)[..., None])[..., 0], torch.zeros((), device=dev))
         keep[i] = kept(q.cpu(), p_next[:, first + 1 + i - P : last + 1 + i - P])

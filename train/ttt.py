@@ -60,35 +60,45 @@ def ttt_unroll(
     steps: int,
     attention_valid: Tensor | None = None,
     hidden: bool = False,
+    start: int = 0,
 ):
-    """Yield (step i, draft logits [B, T, V']) for i = 0..steps-1; index t of step i predicts x_{t+2+i}.
-    hidden=True yields the draft's output states [B, T, H] instead (`draft.logits` of them are the
-    logits), so a caller can score only the positions that count."""
+    """Yield (step i, draft logits [B, T - start, V']) for i = 0..steps-1; row j of step i is index
+    t = start + j and predicts x_{t+2+i}. hidden=True yields the draft's output states [B, T - start, H]
+    instead (`draft.logits` of them are the logits), so a caller can score only the positions that count.
+    start > 0 computes only the indices from `start` on (a prompt's cycles start at its last token): step 0
+    still reads the keys of every index, the later steps see their own index only, so those rows are what
+    start = 0 gives them (up to the matmuls' summation order)."""
     B, T = input_ids.shape
     dev = input_ids.device
     h = draft.project(features)  # [B, T, H]
-    pos0 = torch.arange(T, device=dev)[None].expand(B, T)
+    pos = torch.arange(start, T, device=dev)[None].expand(B, T - start)
     attn = draft.midlayer.self_attn
     keys, values = [], []
-    causal = ttt_mask(T, 0, dev)[None, None]
+    causal = ttt_mask(T, 0, dev)[None, None, start:]  # [1, 1, T - start, T]
     if attention_valid is not None:  # right padding: never attend to padded keys
         causal = causal & attention_valid[:, None, None, :]
     for i in range(min(steps, T - 1)):
         tok = F.pad(input_ids[:, 1 + i :], (0, 1 + i), value=0)  # x_{t+1+i} at index t (0 past the end)
-        cos, sin = draft.rope(pos0 + i)
-        q, k, v = attn.qkv(draft.attn_input(embed(tok), h), cos, sin)
+        if i == 0:  # every index's keys, the queries from `start` on
+            cos, sin = draft.rope(torch.arange(T, device=dev)[None].expand(B, T))
+            q, k, v = attn.qkv(draft.attn_input(embed(tok), h), cos, sin)
+            q, h = q[:, :, start:], h[:, start:]
+        else:
+            cos, sin = draft.rope(pos + i)
+            q, k, v = attn.qkv(draft.attn_input(embed(tok[:, start:]), h), cos, sin)
         keys.append(k)
         values.append(v)
-        o = ttt_attention(q, keys, values, causal)  # [B, Hq, T, D]
-        h = draft.finish(h, attn.o_proj(o.transpose(1, 2).reshape(B, T, -1)))
+        o = ttt_attention(q, keys, values, causal)  # [B, Hq, T - start, D]
+        h = draft.finish(h, attn.o_proj(o.transpose(1, 2).reshape(B, T - start, -1)))
         yield i, (h if hidden else draft.logits(h).float())
 
 
 def ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], causal: Tensor) -> Tensor:
     """Attention with the `ttt_mask` pattern without materialising it: step-0 keys under the causal mask
-    `causal` [B or 1, 1, T, T], and the keys of steps 1..i on the diagonal only, whose scores are a
+    `causal` [B or 1, 1, N, T], and the keys of steps 1..i on the diagonal only, whose scores are a
     per-position dot product. Same result as masked attention over all (i+1)*T keys, in ~1/(i+1) the work.
-    q [B, Hq, T, D]; keys/values: per step [B, Hkv, T, D]."""
+    q [B, Hq, N, D] (the last N of T indices); keys/values: step 0 [B, Hkv, T, D], later steps
+    [B, Hkv, N, D]."""
     G = q.shape[1] // keys[0].shape[1]
     scale = q.shape[-1] ** -0.5
     k0, v0 = keys[0].repeat_interleave(G, 1), values[0].repeat_interleave(G, 1)
