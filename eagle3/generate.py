@@ -4,7 +4,8 @@
     python -m eagle3.generate --prompt "Why is the sky blue?" --chat --lookup --q4 --engine compiled --check
 
 By default the SmolLM2 target and the shipped draft, the draft length tuned to the acceptance it sees
-(eagle3/tuner.py); `--k N` fixes it, `--tree D,K,T` drafts trees (depth, children per node, nodes verified);
+(eagle3/tuner.py); `--k N` fixes it, `--tree D,K,T` drafts trees (depth, children per node, nodes verified;
+given several times, the tuner picks one each cycle by its measured tokens per second);
 `--lookup` copies drafts from earlier text where the sequence repeats itself (eagle3/lookup.py). The answer
 streams cycle by cycle; a JSON line follows: tokens/s, tau (tokens per cycle, the bonus token included), the
 draft's share of the time and the draft lengths chosen. `--check` (greedy) decodes the prompt plainly as
@@ -45,6 +46,14 @@ def tree_spec(text: str) -> TreeConfig:
     return TreeConfig(*parts)
 
 
+def tree_specs(text: str) -> list[TreeConfig]:
+    """argparse type: trees D,K,T separated by ';', such as 2,2,3;3,4,12 (each once)."""
+    trees = [tree_spec(part) for part in text.split(";") if part.strip()]
+    if not trees:
+        raise argparse.ArgumentTypeError(f"{text!r}: give trees as D,K,T;D,K,T, such as 2,2,3;3,4,12")
+    return list(dict.fromkeys(trees))
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m eagle3.generate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -58,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_options(ap)
     shape = ap.add_mutually_exclusive_group()
     shape.add_argument("--k", type=positive_int, default=None, help="a fixed draft length (default: tuned)")
-    shape.add_argument("--tree", type=tree_spec, default=None, metavar="D,K,T",
-                       help="draft trees: depth, children per node, draft nodes verified per cycle (3,4,12)")  # fmt: skip
+    shape.add_argument("--tree", type=tree_spec, action="append", default=None, metavar="D,K,T",
+                       help="draft trees: depth, children per node, draft nodes verified per cycle (3,4,12); "
+                       "repeat it to tune the tree, cycle by cycle")  # fmt: skip
     ap.add_argument("--lookup", action="store_true", help="copy drafts from earlier text where it repeats")
     ap.add_argument("--engine", choices=["eager", "compiled"], default="eager",
                     help="compiled: the target's steps as compiled graphs (maverick/compiled.py)")  # fmt: skip
@@ -72,9 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def shape_name(tree: TreeConfig | None, k: int | None) -> str:
-    if tree is not None:
-        return f"tree {tree.depth},{tree.top_k},{tree.total_tokens}"
+def shape_name(trees: list[TreeConfig], k: int | None) -> str:
+    if trees:
+        shapes = " | ".join(f"{t.depth},{t.top_k},{t.total_tokens}" for t in trees)
+        return f"tree {shapes}" if len(trees) == 1 else f"tuned tree of {shapes}"
     return f"k={k}" if k else "tuned"
 
 
@@ -118,21 +129,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     draft = load_draft(args.draft, dtype=dtype, device=str(target.device))
     check_draft_fits(draft.config, target.config, draft.source)
 
-    tree = args.tree.for_sampling(sampling) if args.tree is not None else None
-    room = max(128, (tree.total_tokens if tree else 0) + 32)  # slots past the answer for drafted tokens
+    trees = list(dict.fromkeys(t.for_sampling(sampling) for t in args.tree or ()))
+    room = max(128, max((t.total_tokens for t in trees), default=0) + 32)  # slots past the answer for drafts
     max_len = len(ids) + args.max_new_tokens + room
     # the engine the speculative decoder and --check's plain decoder share
     model = for_engine(target, args.engine, max_len, draft.config.feature_layers)
     if args.engine == "compiled":
         secs = model.compile()
         print(json.dumps({"compile_s": round(sum(secs.values()), 1), "buckets": list(secs)}), flush=True)
-    policy = None if tree else FixedK(args.k) if args.k else DraftLengthTuner()
+    policy = None if trees else FixedK(args.k) if args.k else DraftLengthTuner()  # several trees: made there
     spec = SpecDecoder(
         model,
         draft,
         max_len=max_len,
         policy=policy,
-        tree=tree,
+        tree=trees or None,
         compile_draft=args.engine == "compiled",
         lookup=LOOKUP if args.lookup else None,
         engine=args.engine,
@@ -148,8 +159,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     gen = spec.generate(
         [ids], args.max_new_tokens, sampling, eos, rng, on_output=lambda rows: stream.add(rows[0])
     )
-    result = {"draft": str(args.draft), "shape": shape_name(tree, args.k), "lookup": args.lookup}
+    result = {"draft": str(args.draft), "shape": shape_name(trees, args.k), "lookup": args.lookup}
     result |= {"engine": args.engine, "q4": args.q4, "dtype": args.dtype} | stats_of(gen)
+    if len(trees) > 1:  # the cycles each tree got (the warm-up's included)
+        counts = spec.policy.tree_counts
+        result["tree_cycles"] = {f"{t.depth},{t.top_k},{t.total_tokens}": counts[t] for t in trees}
     if plain is not None:
         base = plain.generate([ids], args.max_new_tokens, stop_ids=eos)
         a, b = base.tokens[0], gen.tokens[0]

@@ -47,7 +47,7 @@ from eagle3.sampling import (
     verify_tree_greedy,
     verify_tree_sampling,
 )
-from eagle3.tuner import FixedK
+from eagle3.tuner import DraftLengthTuner, FixedK
 from maverick.compiled import for_engine
 from maverick.generate import Generation, check_lengths, decode_window, prefill
 from maverick.model import Llama4
@@ -112,7 +112,9 @@ class SpecDecoder:
     """Holds target + draft, both caches, and the decoding policy.
 
     policy: an object with choose_k / record_draft / record_verify / record_acceptance (eagle3/tuner.py:
-    FixedK, HeuristicK, DraftLengthTuner). tree: a TreeConfig to draft trees instead of chains (batch 1).
+    FixedK, HeuristicK, DraftLengthTuner). tree: a TreeConfig to draft trees instead of chains (batch 1),
+    or several: tuned trees, the policy's `choose_tree` picking one per cycle by its measured tokens per
+    second (a DraftLengthTuner with these as its tree_configs; made here when policy is None).
     compile_draft: on CPU with chains, the draft's cache calls (one-token steps and catch-ups) as one
     compiled graph (eagle3/compiled_draft.py); on CUDA or with trees, the one-token draft step
     torch.compiled (CUDA graphs on CUDA; fixed shapes: it attends over the whole preallocated draft
@@ -129,13 +131,25 @@ class SpecDecoder:
         draft: Eagle3Draft,
         max_len: int = 2048,
         policy=None,
-        tree: TreeConfig | None = None,
+        tree: TreeConfig | Sequence[TreeConfig] | None = None,
         compile_draft: bool = False,
         lookup: LookupConfig | None = None,
         datastore: Datastore | None = None,
         engine: str = "eager",
     ):
         target = for_engine(target, engine, max_len, draft.config.feature_layers)
+        trees = [tree] if isinstance(tree, TreeConfig) else list(dict.fromkeys(tree or ()))
+        # the largest tree sizes the caches and verifies
+        tree = max(trees, key=lambda c: (c.total_tokens, c.depth)) if trees else None
+        if len(trees) > 1 and policy is None:
+            policy = DraftLengthTuner(tree_configs=trees)
+        picks = list(getattr(policy, "tree_configs", None) or [])
+        if trees and picks and set(picks) != set(trees):
+            raise ValueError(f"the policy picks among the trees {picks}, not the trees given {trees}")
+        if len(trees) > 1 and not picks:
+            raise ValueError(
+                "several trees need a policy that picks one per cycle (DraftLengthTuner(tree_configs=...))"
+            )
         if tree is not None and getattr(target, "compiled", False) and target.device.type == "cuda":
             # a GPU engine runs every chain call in one graph; the tree graph's bits there are not yet measured
             # (maverick.compiled.tree_mismatches: scripts/gpu_decode.py --tree-check, a CUDA test)
@@ -148,7 +162,8 @@ class SpecDecoder:
         self.feature_layers = tuple(draft.config.feature_layers)
         self.max_len = max_len
         self.policy = policy if policy is not None else FixedK(4)
-        self.tree = tree
+        self.tree = tree  # the largest tree (None: chains)
+        self._pick_tree = bool(picks) and tree is not None  # the policy picks each cycle's tree
         self.lookup = lookup
         self.datastore = datastore
         self.compile_draft = compile_draft
@@ -427,12 +442,11 @@ class SpecDecoder:
 
     # ---- trees (batch 1) ----
 
-    def _expand_tree(self, h: Tensor, sampling, generator):
-        """Grow the draft tree from the draft state h [1, 1, H] (which predicts the root's children).
+    def _expand_tree(self, cfg: TreeConfig, h: Tensor, sampling, generator):
+        """Grow the draft tree `cfg` from the draft state h [1, 1, H] (which predicts the root's children).
 
         Returns parallel lists over nodes 1..: token ids, parent index (0 = root), cumulative log-prob,
         depth, and per expanded node the full-vocab draft probs its children were drawn from."""
-        cfg = self.tree
         greedy = sampling is None or sampling.greedy
         n = int(self.dcache.lengths[0])
         tokens, parents, scores, depths = [], [], [], []
@@ -501,11 +515,11 @@ class SpecDecoder:
 
     def _tree_cycle(self, h, last, sampling, generator, stats):
         greedy = sampling is None or sampling.greedy
-        cfg = self.tree
+        cfg = self.policy.choose_tree() if self._pick_tree else self.tree
         dev = last.device
         n = self.tcache.lengths.clone()
         t0 = time.perf_counter()
-        tokens, parents, scores, depths, child_q = self._expand_tree(h, sampling, generator)
+        tokens, parents, scores, depths, child_q = self._expand_tree(cfg, h, sampling, generator)
         # choose the nodes to verify: greedy keeps the best total_tokens (ancestor-closed since a child never
         # scores above its parent; ties are broken toward earlier, shallower nodes), sampling keeps them all
         if greedy and len(tokens) > cfg.total_tokens:
@@ -561,7 +575,7 @@ class SpecDecoder:
         _sync(dev)
         t3 = time.perf_counter()
         emitted = [tree_tokens[path].tolist() + [int(y)]]
-        if hasattr(self.policy, "record_tree") and getattr(self.policy, "tree_configs", None):
+        if self._pick_tree:
             self.policy.record_tree(cfg, a + 1, t3 - t0)
         stats.cycles += 1
         stats.accepted.append(a)

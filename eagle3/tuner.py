@@ -38,7 +38,9 @@ acceptance rose.
 
 Tree drafts have no per-position model that would survive dynamic trees, so tree configurations
 (e.g. total-token budgets) are compared directly: EMA of tokens per cycle over EMA of seconds per
-cycle, each configuration tried ``tree_min_trials`` times first, then probed round-robin.
+cycle, each configuration tried ``tree_min_trials`` times first, then probed round-robin. A
+SpecDecoder given several trees asks ``choose_tree`` at each tree cycle and reports it with
+``record_tree`` (eval.bench's eagle3-tree-tuned, eagle3.generate with ``--tree`` repeated).
 
 ``FixedK`` and ``HeuristicK`` (HF assisted generation: +2 after a fully accepted draft, -1
 otherwise) share the interface so the decoding loop and benchmarks can swap policies.

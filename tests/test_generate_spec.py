@@ -24,7 +24,12 @@ def run(argv, capsys) -> tuple[dict, str]:
 
 @pytest.mark.parametrize(
     "extra, shape",
-    [([], "tuned"), (["--k", "3", "--lookup"], "k=3"), (["--tree", "3,4,12"], "tree 3,4,12")],
+    [
+        ([], "tuned"),
+        (["--k", "3", "--lookup"], "k=3"),
+        (["--tree", "3,4,12"], "tree 3,4,12"),
+        (["--tree", "2,2,3", "--tree", "3,4,12", "--lookup"], "tuned tree of 2,2,3 | 3,4,12"),
+    ],
 )
 def test_speculative_generation_equals_plain_and_streams_its_tokens(extra, shape, capsys, monkeypatch):
     gens = []
@@ -39,6 +44,8 @@ def test_speculative_generation_equals_plain_and_streams_its_tokens(extra, shape
     tokens = gens[-1].tokens[0]  # the timed run (after --check's warm-up)
     assert len(tokens) == result["new_tokens"] and len(text) > 20
     assert text == load_target_tokenizer().decode(tokens, skip_special_tokens=True)  # streamed whole
+    if "tuned tree" in shape:  # each tree tried (3 times, warm-up included) before the tuner settles
+        assert set(result["tree_cycles"]) == {"2,2,3", "3,4,12"} and min(result["tree_cycles"].values()) >= 1
 
 
 def test_sampling_runs_a_cut_tree_and_the_seed_repeats_it(capsys):

@@ -99,6 +99,52 @@ def test_tree_greedy_identical_random_draft(target, tree):
     assert got.tokens[0] == ref
 
 
+TUNED_TREES = [TreeConfig(2, 2, 3), TreeConfig(3, 3, 10), TreeConfig(4, 2, 30)]
+
+
+def test_tuned_trees_greedy_identical_and_each_tree_tried(target):
+    """Several trees: the policy (a DraftLengthTuner made for them) picks one per cycle, each tried
+    tree_min_trials times first; the tokens stay plain decoding's, and every cycle's depth is its pick's."""
+    p = prompts(1)[0]
+    ref = Decoder(target, max_len=128).generate([p], 40).tokens[0]
+    dec = SpecDecoder(target, make_draft(target), max_len=160, tree=TUNED_TREES)
+    assert isinstance(dec.policy, DraftLengthTuner) and dec.tree == TreeConfig(4, 2, 30)  # the largest sizes
+    got = dec.generate([p], 40)
+    assert got.tokens[0] == ref
+    picks = [e["config"] for e in dec.policy.log if e.get("kind") == "tree"]
+    assert len(picks) == got.stats["spec"].cycles
+    assert [c.depth for c in picks] == got.stats["spec"].draft_lengths
+    assert all(dec.policy.tree_counts[c] >= dec.policy.tree_min_trials for c in TUNED_TREES)
+    assert dec.policy.tree_counts == {c: picks.count(c) for c in TUNED_TREES}
+
+
+def test_tuned_trees_settle_on_the_tree_with_the_most_tokens_per_second(target, monkeypatch):
+    """With the clock stopped at 1 s a cycle, the best tree is the one whose cycles emit the most tokens:
+    an oracle draft accepts every path, so the deepest tree wins once each was tried."""
+    p = prompts(1)[0]
+    ref = Decoder(target, max_len=128).generate([p], 60).tokens[0]
+    clock = iter(range(10**6))
+    monkeypatch.setattr(spec_mod.time, "perf_counter", lambda: float(next(clock)))
+    draft = make_draft(target, cls=OracleDraft, seq=p + ref)
+    policy = DraftLengthTuner(tree_configs=TUNED_TREES, probe_every=1000)
+    dec = SpecDecoder(target, draft, max_len=160, tree=TUNED_TREES, policy=policy)
+    got = dec.generate([p], 60)
+    assert got.tokens[0] == ref
+    picks = [e["config"] for e in policy.log if e.get("kind") == "tree"]
+    n = len(TUNED_TREES) * policy.tree_min_trials
+    assert len(picks) > n and set(picks[n:]) == {TreeConfig(4, 2, 30)}
+
+
+def test_several_trees_need_a_policy_that_picks_among_them(target):
+    d = make_draft(target)
+    with pytest.raises(ValueError, match="several trees need a policy"):
+        SpecDecoder(target, d, max_len=160, tree=TUNED_TREES, policy=FixedK(3))
+    with pytest.raises(ValueError, match="not the trees given"):
+        SpecDecoder(
+            target, d, max_len=160, tree=TUNED_TREES[:2], policy=DraftLengthTuner(tree_configs=TUNED_TREES)
+        )
+
+
 def test_batched_chain_per_row_lengths(target):
     """Rows with different prompt lengths and different accepted lengths per cycle."""
     ps = prompts(3)
@@ -243,18 +289,25 @@ def test_sampling_is_lossless(sampling, monkeypatch):
     assert max(0.5 * float((c2 - p2).abs().sum()), 0.5 * float((c3 - p3).abs().sum())) > TV_BOUND
 
 
-def test_tree_sampling_is_lossless():
+@pytest.mark.parametrize(
+    "tree", [TreeConfig(depth=2, top_k=2, total_tokens=6), [TreeConfig(2, 2, 6), TreeConfig(1, 2, 2)]]
+)
+def test_tree_sampling_is_lossless(tree):
+    """One tree, and tuned trees (each cycle's tree is picked from earlier cycles' times alone, so each
+    cycle stays lossless whichever it drafts)."""
     sampling = SamplingParams(1.0)
     t = make_target(std=0.6, seed=5, vocab_size=V_SMALL)
     d = make_draft(t, std=0.6, seed=6)
     prompt = [3, 7, 1, 9, 4]
     p2, _ = exact_marginals(t, prompt, sampling, V_SMALL)
-    dec = SpecDecoder(t, d, max_len=64, tree=TreeConfig(depth=2, top_k=2, total_tokens=6))
+    dec = SpecDecoder(t, d, max_len=64, tree=tree)
     g = torch.Generator().manual_seed(1)
     second = [dec.generate([prompt], 2, sampling=sampling, generator=g).tokens[0][1] for _ in range(1500)]
     # N = 1500: 0.5 * sqrt(16 / 1500) + sqrt(ln(1000) / 3000) = 0.052 + 0.048
     tv = 0.5 * float((empirical(second, V_SMALL) - p2).abs().sum())
     assert tv < 0.10, tv
+    if isinstance(tree, list):
+        assert min(dec.policy.tree_counts.values()) >= dec.policy.tree_min_trials  # both trees drafted
 
 
 @pytest.mark.skipif(not supported(), reason=f"CPU engines refuse torch {torch.__version__}")
