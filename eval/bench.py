@@ -22,7 +22,9 @@ llama.cpp and llama.cpp-prompt-lookup run llama.cpp on the same GGUF file and pr
 llama-cpp-python is installed (eval/llama_cpp.py; pip install -e '.[llamacpp]').
 Methods named eagle3-...+lookup draft by prompt lookup where the text repeats itself and with the EAGLE-3
 draft elsewhere (eagle3/lookup.py); eagle3-...+lookup+store also copy from a datastore of the target's own
-answers (eagle3/datastore.py, --datastore) where the sequence itself has no match.
+answers (eagle3/datastore.py, --datastore) where the sequence itself has no match. eagle3-tree drafts the
+tree of --tree-depth/--tree-top-k/--tree-tokens each cycle; eagle3-tree-tuned one of --tree-candidates, picked
+cycle by cycle by its measured tokens per second (eagle3/tuner.py: DraftLengthTuner.choose_tree).
 
 Prompts longer than --max-prompt-tokens are refused before any model runs (naming the prompt and turn;
 a later turn counts the earlier answers at --max-new-tokens each): a benchmark run on prompts cut
@@ -64,6 +66,7 @@ from tqdm import tqdm
 
 from eagle3.datastore import Datastore, beside_draft
 from eagle3.draft import DEFAULT_DRAFT, load_draft
+from eagle3.generate import tree_specs
 from eagle3.lookup import LookupConfig
 from eagle3.spec import SpecDecoder, TreeConfig
 from eagle3.tuner import DraftLengthTuner, FixedK
@@ -110,6 +113,7 @@ ALL_METHODS = [
     "eagle3-tuned+lookup+store",
     "eagle3-tree",
     "eagle3-tree+lookup",
+    "eagle3-tree-tuned+lookup",
     "ours-plain+q4",
     "eagle3-tuned+lookup+q4",
 ]
@@ -186,16 +190,23 @@ def tree_config(args) -> TreeConfig:
     return tree.for_sampling(sampling_params(args))
 
 
+def tree_candidates(args) -> list[TreeConfig]:
+    """eagle3-tree-tuned's trees: --tree-candidates, each cut for sampling (the cuts may coincide: once each)."""
+    sampling = sampling_params(args)
+    return list(dict.fromkeys(t.for_sampling(sampling) for t in args.tree_candidates))
+
+
 def method_parts(name: str) -> tuple[str, bool, bool]:
     """A speculative method's name (without a variant suffix) as (base, lookup, store): base is
-    eagle3-tuned, eagle3-tree or eagle3-k<N>; a UserError naming the known methods otherwise."""
+    eagle3-tuned, eagle3-tree, eagle3-tree-tuned or eagle3-k<N>; a UserError naming the known methods
+    otherwise."""
     store = name.endswith(STORE_SUFFIX)
     name = name.removesuffix(STORE_SUFFIX)
     if store and not name.endswith(LOOKUP_SUFFIX):
         raise UserError(f"'{STORE_SUFFIX}' extends prompt lookup: name the method <method>+lookup+store")
     lookup = name.endswith(LOOKUP_SUFFIX)
     name = name.removesuffix(LOOKUP_SUFFIX)
-    if name not in ("eagle3-tuned", "eagle3-tree") and not (
+    if name not in ("eagle3-tuned", "eagle3-tree", "eagle3-tree-tuned") and not (
         name.startswith("eagle3-k") and name.removeprefix("eagle3-k").isdigit()
     ):
         raise UserError(
@@ -255,6 +266,9 @@ def build_decoder(name: str, target, draft, max_len: int, args) -> Decoder | Spe
         policy = DraftLengthTuner(choices=range(1, 9))
     elif name == "eagle3-tree":
         tree = tree_config(args)
+    elif name == "eagle3-tree-tuned":  # the tuner picks a tree each cycle (and tunes prompt-lookup copies)
+        tree = tree_candidates(args)
+        policy = DraftLengthTuner(choices=range(1, 9), tree_configs=tree)
     else:
         policy = FixedK(int(fixed_k))
     return SpecDecoder(
@@ -405,6 +419,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tree-depth", type=positive_int, default=3)
     ap.add_argument("--tree-top-k", type=positive_int, default=4)
     ap.add_argument("--tree-tokens", type=positive_int, default=12)
+    ap.add_argument("--tree-candidates", type=tree_specs, default=tree_specs("2,2,3;3,2,7;3,4,12"),
+                    metavar="D,K,T;...", help="the trees eagle3-tree-tuned picks among by measured tokens/s "
+                    "(depth, children per node, draft nodes verified; default: 2,2,3;3,2,7;3,4,12)")  # fmt: skip
     ap.add_argument(
         "--lookup-tokens", type=positive_int, default=10, help="tokens a prompt-lookup copy drafts at most"
     )
@@ -459,9 +476,12 @@ def main(argv=None) -> int:
         raise UserError("--resume continues the run in --out: give its --out")
     out_dir = Path(args.out or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     config = {k: v for k, v in vars(args).items()} | {"methods": methods, "gguf": gguf}
+    config["tree_candidates"] = [asdict(t) for t in args.tree_candidates]  # as given (sampling cuts them)
     config |= {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": "cpu"}
-    if any(m.startswith("eagle3-tree") for m in methods):
+    if any(m.startswith("eagle3-tree") and not m.startswith("eagle3-tree-tuned") for m in methods):
         config["tree"] = asdict(tree_config(args))
+    if any(m.startswith("eagle3-tree-tuned") for m in methods):
+        config["trees_tuned"] = [asdict(t) for t in tree_candidates(args)]
     progress = out_dir / PROGRESS_FILE
     earlier = []  # the progress file's lines of the prompts an earlier run finished
     if args.resume:
@@ -551,11 +571,14 @@ def main(argv=None) -> int:
     greedy = sampling_params(args).greedy  # sampled outputs differ by design: checked in distribution instead
     summaries = summarise(records, baseline="ours-plain", hf_baseline="hf-generate", compare_outputs=greedy)
     for m, r in runners.items():
-        if (
-            m.removesuffix(variant(m)).removesuffix(STORE_SUFFIX).removesuffix(LOOKUP_SUFFIX)
-            == "eagle3-tuned"
-        ):
+        base = m.removesuffix(variant(m)).removesuffix(STORE_SUFFIX).removesuffix(LOOKUP_SUFFIX)
+        if base == "eagle3-tuned":
             config["tuner" + m.removeprefix("eagle3-tuned")] = _jsonable(r.dec.policy.summary())
+        elif base == "eagle3-tree-tuned":  # per tree: cycles, EMA tokens and seconds per cycle
+            trees = r.dec.policy.summary()["tree"]
+            config["tree_tuner" + m.removeprefix("eagle3-tree-tuned")] = {
+                f"{t.depth},{t.top_k},{t.total_tokens}": v for t, v in trees.items()
+            }
     checks = []
     interrupted = "interrupted_after_prompts" in config
     if not greedy and args.dist_samples > 0 and not interrupted:

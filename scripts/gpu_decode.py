@@ -12,8 +12,10 @@ same warm machine, nothing more travels:
 or, without a stage, the receiving calls of .stage/p1 .. p(N-1) and then `decode` carrying .stage/pN.
 
 Methods (each on --n MT-bench first turns, --max-new-tokens tokens, alternating prompt by prompt):
-eager-plain, eager-eagle3 (tuned draft length + prompt lookup), compiled-plain (maverick/compiled.py,
-CUDA graphs), compiled-eagle3 (the same on the compiled target, the draft step compiled with CUDA graphs).
+eager-plain, eager-eagle3 (tuned draft length + prompt lookup), eager-eagle3-trees (trees, one of
+GPU_TREES picked each cycle by its measured tokens/s, + prompt lookup: on a GPU a verify of many nodes costs
+about what one of a few does), compiled-plain (maverick/compiled.py, CUDA graphs), compiled-eagle3 (the same
+on the compiled target, the draft step compiled with CUDA graphs).
 Compile seconds are reported apart from the decoding time. A method that fails is reported with its error
 and the others still run. After them, --profile N (default 10) profiles N decode steps of each plain method
 and N cycles of each speculative one (train/profiling.py): where the remaining time per step goes, into the
@@ -44,6 +46,9 @@ from eval.bench_engine import alternating, measure, prompt_ids, spec_decoder, su
 from train.profiling import describe as describe_profile  # noqa: E402
 
 GL = ROOT / ".gl"
+# eager-eagle3-trees' candidates (depth, children per node, nodes verified): from the CPU's best tree to
+# EAGLE-3's GPU default (~60 nodes)
+GPU_TREES = ((3, 4, 12), (4, 6, 24), (5, 8, 40), (6, 10, 60))
 
 
 def prepare(n: int, path: Path) -> None:
@@ -64,7 +69,9 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--max-len", type=int, default=1024)
-    ap.add_argument("--methods", default="eager-plain,eager-eagle3,compiled-plain,compiled-eagle3")
+    ap.add_argument(
+        "--methods", default="eager-plain,eager-eagle3,eager-eagle3-trees,compiled-plain,compiled-eagle3"
+    )
     ap.add_argument("--rows", default="4,8,16,24", help="the engine's buckets (CUDA runs the largest only)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script's logic")
     ap.add_argument("--tree-check", action="store_true", help="tree nodes' bits on the compiled engine first")
@@ -84,6 +91,8 @@ def main(argv=None) -> int:
         return 2
 
     from eagle3.draft import load_draft
+    from eagle3.lookup import LookupConfig
+    from eagle3.spec import SpecDecoder, TreeConfig
     from maverick.compiled import CompiledTarget, tree_mismatches
     from maverick.generate import Decoder
     from maverick.gguf_model import load_gguf_model
@@ -128,6 +137,10 @@ def main(argv=None) -> int:
             continue
         if m.endswith("plain"):
             decoders[m] = Decoder(tgt, max_len=args.max_len)
+        elif m == "eager-eagle3-trees":
+            trees = [TreeConfig(*t) for t in GPU_TREES]
+            lookup = LookupConfig(max_tokens=10, streak_tokens=20)
+            decoders[m] = SpecDecoder(tgt, draft, max_len=args.max_len, tree=trees, lookup=lookup)
         else:
             compiled = m.startswith("compiled")
             cap = tgt.rows[-1] - 1 if compiled else 20  # verifies fit the engine's bucket
@@ -152,6 +165,11 @@ def main(argv=None) -> int:
             errors[m] = traceback.format_exc(limit=8)
     summary = summarize({m: rs for m, rs in runs.items() if m not in errors and rs})
     result |= {"summary": summary, "errors": errors}
+    if "eager-eagle3-trees" in decoders:  # the cycles the tuner gave each tree (warm-up included)
+        counts = decoders["eager-eagle3-trees"].policy.tree_counts
+        result["tree_cycles"] = {
+            ",".join(map(str, (t.depth, t.top_k, t.total_tokens))): n for t, n in counts.items()
+        }
     if args.profile:
         result["profile"] = {}
         for m, dec in decoders.items():

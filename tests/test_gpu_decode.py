@@ -22,12 +22,17 @@ def test_gpu_decode_runs_the_eager_methods_and_profiles_them(tmp_path):
     prompts = tmp_path / "prompts.json"
     assert gd.main(["--prepare", "--n", "1", "--prompts", str(prompts)]) == 0
     argv = ["--device", "cpu", "--gguf", str(default_gguf_path()), "--prompts", str(prompts), "--n", "1",
-            "--max-new-tokens", "8", "--methods", "eager-plain,eager-eagle3", "--profile", "2",
+            "--max-new-tokens", "8", "--methods", "eager-plain,eager-eagle3,eager-eagle3-trees", "--profile", "2",
             "--out", str(tmp_path)]  # fmt: skip
     assert gd.main(argv) == 0
     r = json.loads((tmp_path / "gpu_decode.json").read_text())
     assert r["errors"] == {} and r["summary"]["eager-eagle3"]["mismatches_vs_eager-plain"] == 0
-    for m in ("eager-plain", "eager-eagle3"):
+    assert r["summary"]["eager-eagle3-trees"]["mismatches_vs_eager-plain"] == 0
+    assert (
+        set(r["tree_cycles"]) == {"3,4,12", "4,6,24", "5,8,40", "6,10,60"}
+        and sum(r["tree_cycles"].values()) > 0
+    )
+    for m in ("eager-plain", "eager-eagle3", "eager-eagle3-trees"):
         prof = r["profile"][m]
         assert prof["steps"] == 2 and prof["wall_ms"] > 0 and len(prof["ops"]) == 15
         assert "device_ms" not in prof  # a CPU run: the ops' CPU time only

@@ -187,6 +187,33 @@ def test_bench_method_names(target):
     assert dec.lookup == LookupConfig(streak_tokens=20)  # the default --lookup-streak-tokens
     args.lookup_tokens, args.lookup_streak_tokens = 14, 10  # --lookup-tokens; a streak below it: off
     assert build_decoder("eagle3-tuned+lookup", target, d, 64, args).lookup == LookupConfig(max_tokens=14)
+    # eagle3-tree-tuned: the tuner picks among --tree-candidates, cut for sampling, each once
+    args.tree_candidates = [TreeConfig(2, 2, 3), TreeConfig(3, 4, 12), TreeConfig(3, 3, 12)]
+    dec = build_decoder("eagle3-tree-tuned+lookup", target, d, 64, args)
+    assert dec.policy.tree_configs == args.tree_candidates and dec.tree == TreeConfig(3, 4, 12)
+    args.temperature = 1.0  # full trees of 2 children: 2,2,3 cuts to 1,2,2; 3,4,12 and 3,3,12 both to 2,2,6
+    dec = build_decoder("eagle3-tree-tuned", target, d, 64, args)
+    assert dec.lookup is None and dec.policy.tree_configs == [TreeConfig(1, 2, 2), TreeConfig(2, 2, 6)]
+
+
+def test_bench_reports_what_the_tree_tuner_picked(tmp_path):
+    """eval.bench's eagle3-tree-tuned+lookup on the real target: plain decoding's tokens (exit 0), and the
+    report's config holds each candidate tree's cycles, tokens and seconds per cycle."""
+    import json
+
+    from eval import bench
+
+    out = tmp_path / "r"
+    argv = ["--n", "1", "--turns", "1", "--max-new-tokens", "48", "--methods",
+            "ours-plain,eagle3-tree-tuned+lookup", "--tree-candidates", "1,1,1;2,2,3", "--out", str(out)]  # fmt: skip
+    assert bench.main(argv) == 0
+    config = json.loads((out / "report.json").read_text())["config"]
+    assert config["trees_tuned"] == [{"depth": 1, "top_k": 1, "total_tokens": 1},
+                                     {"depth": 2, "top_k": 2, "total_tokens": 3}]  # fmt: skip
+    picked = config["tree_tuner+lookup"]
+    assert set(picked) == {"1,1,1", "2,2,3"} and all(
+        v["count"] >= 1 and v["seconds"] > 0 for v in picked.values()
+    )
 
 
 def test_report_lookup_share():
