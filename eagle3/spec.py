@@ -495,11 +495,11 @@ class SpecDecoder:
             for i, node in enumerate(frontier):
                 slots[node] = start + i
             kv_len = self.dcache.kv_len(Fn)
-            mask = torch.zeros(1, 1, Fn, kv_len, dtype=torch.bool, device=h.device)
+            mask = torch.zeros(1, 1, Fn, kv_len, dtype=torch.bool)  # built on the host: one copy to a GPU
             mask[..., :n] = True
             for i, node in enumerate(frontier):
-                for a in anc[node]:
-                    mask[0, 0, i, slots[a]] = True
+                mask[0, 0, i, [slots[a] for a in anc[node]]] = True
+            mask = mask.to(h.device)
             parent_h = self._node_states(frontier, parents, node_h, h)
             tok = torch.stack([tokens[node - 1] for node in frontier])[None]
             pos = torch.full((1, Fn), n + depth - 1, device=h.device)
@@ -523,8 +523,8 @@ class SpecDecoder:
         # choose the nodes to verify: greedy keeps the best total_tokens (ancestor-closed since a child never
         # scores above its parent; ties are broken toward earlier, shallower nodes), sampling keeps them all
         if greedy and len(tokens) > cfg.total_tokens:
-            sc = torch.stack(scores)
-            order = sorted(range(len(tokens)), key=lambda i: (-float(sc[i]), i))[: cfg.total_tokens]
+            sc = torch.stack(scores).tolist()  # one read from the device, not one per node
+            order = sorted(range(len(tokens)), key=lambda i: (-sc[i], i))[: cfg.total_tokens]
             keep = sorted(order)
             keep_set = {i + 1 for i in keep}
             for i in keep:  # guard ancestor closure against float ties
