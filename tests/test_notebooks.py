@@ -257,6 +257,11 @@ def test_03_draft_length(tmp_path, monkeypatch):
     assert r["tuner_best_k"] in r["tuner_choices"]
     assert sum(r["tuner_k_counts"].values()) >= 1
     assert all(0.0 < a < 1.0 for a in r["tuner_alphas"])
+    # tuned trees: each tree drafted (tried first), plain decoding's tokens (asserted in the notebook)
+    assert set(r["tree_tuner_cycles"]) == {
+        f"tree {t['depth']}x{t['top_k']}/{t['total_tokens']}" for t in r["trees"]
+    }
+    assert all(n >= 1 for n in r["tree_tuner_cycles"].values()) and r["tree_tuner_tau"] >= 1.0
 
 
 def test_04_llama4_anatomy(tmp_path, monkeypatch):
