@@ -581,6 +581,10 @@ def test_tree_speculative_equals_plain_on_compiled_engine(tree_engine):
         got = SpecDecoder(e, oracle, max_len=MAX_LEN, tree=tree).generate([p], 40)
         assert got.tokens[0] == want
         assert all(a == 4 for a in got.stats["spec"].accepted[:-1])
+        # tuned trees: verifies of 4 and 8 rows on one engine, whichever the tuner picks
+        tuned = SpecDecoder(e, make_draft(e.base), max_len=MAX_LEN, tree=[TreeConfig(2, 2, 3), tree])
+        assert tuned.generate([p], 40).tokens[0] == want
+        assert all(n >= 1 for n in tuned.policy.tree_counts.values())
 
 
 def test_engine_option_and_refusals(engine):
