@@ -28,6 +28,7 @@ keeps multi-candidate rejection sampling lossless).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -115,10 +116,10 @@ class SpecDecoder:
     FixedK, HeuristicK, DraftLengthTuner). tree: a TreeConfig to draft trees instead of chains (batch 1),
     or several: tuned trees, the policy's `choose_tree` picking one per cycle by its measured tokens per
     second (a DraftLengthTuner with these as its tree_configs; made here when policy is None).
-    compile_draft: on CPU with chains, the draft's cache calls (one-token steps and catch-ups) as one
-    compiled graph (eagle3/compiled_draft.py); on CUDA or with trees, the one-token draft step
-    torch.compiled (CUDA graphs on CUDA; fixed shapes: it attends over the whole preallocated draft
-    cache, so changing k never recompiles). lookup: a LookupConfig to draft by prompt
+    compile_draft: on CPU, the draft's cache calls (one-token steps and catch-ups) as one compiled graph
+    (eagle3/compiled_draft.py; a tree's masked expansion runs eagerly on the slots in use); on CUDA, the
+    one-token draft step torch.compiled (CUDA graphs; fixed shapes: it attends over the whole preallocated
+    draft cache, so changing k never recompiles). lookup: a LookupConfig to draft by prompt
     lookup where the sequence repeats itself, the EAGLE-3 draft (chain or tree) elsewhere. datastore: a
     Datastore tried after the sequence itself (needs lookup). engine="compiled": the target's decode and
     verify steps on the compiled engine (maverick/compiled.py; `target` may already be one, shared with a
@@ -180,9 +181,10 @@ class SpecDecoder:
                 f"drafts of up to {k_max} tokens: the compiled engine verifies up to {rows[-1] - 1}"
             )
         cuda = next(draft.parameters()).is_cuda
-        # on CPU a chain draft's cache calls (steps and catch-ups) run as one compiled graph; elsewhere (CUDA,
-        # where a draft step is launch-bound: CUDA graphs; trees) the one-token step is torch.compiled
-        self._step_compiled = compile_draft and (cuda or tree is not None)
+        # on CPU the draft's cache calls (chain steps and catch-ups) run as one compiled graph, a tree's masked
+        # expansion eagerly on the slots in use; on CUDA (where a draft step is launch-bound: CUDA graphs) the
+        # one-token step is torch.compiled
+        self._step_compiled = compile_draft and cuda
         if compile_draft and not self._step_compiled:
             self.draft = CompiledDraft(draft, max_len)
         self._caches(1)
@@ -449,6 +451,7 @@ class SpecDecoder:
         depth, and per expanded node the full-vocab draft probs its children were drawn from."""
         greedy = sampling is None or sampling.greedy
         n = int(self.dcache.lengths[0])
+        compiled = getattr(self.dcache, "compiled_draft", False)
         tokens, parents, scores, depths = [], [], [], []
         child_q: dict[int, Tensor] = {}
         frontier = [0]  # node ids to expand; node 0 = root
@@ -494,16 +497,18 @@ class SpecDecoder:
             Fn = len(frontier)
             for i, node in enumerate(frontier):
                 slots[node] = start + i
-            kv_len = self.dcache.kv_len(Fn)
-            mask = torch.zeros(1, 1, Fn, kv_len, dtype=torch.bool)  # built on the host: one copy to a GPU
-            mask[..., :n] = True
-            for i, node in enumerate(frontier):
-                mask[0, 0, i, [slots[a] for a in anc[node]]] = True
-            mask = mask.to(h.device)
-            parent_h = self._node_states(frontier, parents, node_h, h)
-            tok = torch.stack([tokens[node - 1] for node in frontier])[None]
-            pos = torch.full((1, Fn), n + depth - 1, device=h.device)
-            frontier_h = self.draft(self.embed(tok), parent_h, pos, cache=self.dcache, mask=mask)
+            # a compiled draft's cache (fixed shape) runs a masked call eagerly on the slots in use: so the mask
+            with self.dcache.sliced_to_use() if compiled else contextlib.nullcontext():
+                kv_len = self.dcache.kv_len(Fn)
+                mask = torch.zeros(1, 1, Fn, kv_len, dtype=torch.bool)  # built on the host: one copy to a GPU
+                mask[..., :n] = True
+                for i, node in enumerate(frontier):
+                    mask[0, 0, i, [slots[a] for a in anc[node]]] = True
+                mask = mask.to(h.device)
+                parent_h = self._node_states(frontier, parents, node_h, h)
+                tok = torch.stack([tokens[node - 1] for node in frontier])[None]
+                pos = torch.full((1, Fn), n + depth - 1, device=h.device)
+                frontier_h = self.draft(self.embed(tok), parent_h, pos, cache=self.dcache, mask=mask)
             for i, node in enumerate(frontier):
                 node_h[node] = frontier_h[:, i : i + 1]
         return tokens, parents, scores, depths, child_q

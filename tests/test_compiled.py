@@ -581,8 +581,11 @@ def test_tree_speculative_equals_plain_on_compiled_engine(tree_engine):
         got = SpecDecoder(e, oracle, max_len=MAX_LEN, tree=tree).generate([p], 40)
         assert got.tokens[0] == want
         assert all(a == 4 for a in got.stats["spec"].accepted[:-1])
-        # tuned trees: verifies of 4 and 8 rows on one engine, whichever the tuner picks
-        tuned = SpecDecoder(e, make_draft(e.base), max_len=MAX_LEN, tree=[TreeConfig(2, 2, 3), tree])
+        # tuned trees: verifies of 4 and 8 rows on one engine, whichever the tuner picks; the draft compiled
+        # (CompiledDraft: catch-ups in its graph, the masked expansions eager on the slots in use)
+        trees = [TreeConfig(2, 2, 3), tree]
+        tuned = SpecDecoder(e, make_draft(e.base), max_len=MAX_LEN, tree=trees, compile_draft=True)
+        assert isinstance(tuned.draft, CompiledDraft)
         assert tuned.generate([p], 40).tokens[0] == want
         assert all(n >= 1 for n in tuned.policy.tree_counts.values())
 
