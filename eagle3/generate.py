@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def shape_name(trees: list[TreeConfig], k: int | None) -> str:
     if trees:
-        shapes = " | ".join(f"{t.depth},{t.top_k},{t.total_tokens}" for t in trees)
+        shapes = " | ".join(map(str, trees))
         return f"tree {shapes}" if len(trees) == 1 else f"tuned tree of {shapes}"
     return f"k={k}" if k else "tuned"
 
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result |= {"engine": args.engine, "q4": args.q4, "dtype": args.dtype} | stats_of(gen)
     if len(trees) > 1:  # the cycles each tree got (the warm-up's included)
         counts = spec.policy.tree_counts
-        result["tree_cycles"] = {f"{t.depth},{t.top_k},{t.total_tokens}": counts[t] for t in trees}
+        result["tree_cycles"] = {str(t): counts[t] for t in trees}
     if plain is not None:
         base = plain.generate([ids], args.max_new_tokens, stop_ids=eos)
         a, b = base.tokens[0], gen.tokens[0]

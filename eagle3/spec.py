@@ -61,6 +61,10 @@ class TreeConfig:
     top_k: int = 8
     total_tokens: int = 48  # draft nodes verified per cycle (the root excluded)
 
+    def __str__(self) -> str:
+        """D,K,T: how the command lines write a tree (eagle3.generate --tree, eval.bench --tree-candidates)."""
+        return f"{self.depth},{self.top_k},{self.total_tokens}"
+
     def for_sampling(self, sampling: SamplingParams | None) -> TreeConfig:
         """The tree to draft under `sampling`: this one when greedy. Sampling verifies a full tree (every node
         drawn, none pruned: pruning by value would bias the output), so at temperature > 0 the tree is cut to

@@ -576,9 +576,7 @@ def main(argv=None) -> int:
             config["tuner" + m.removeprefix("eagle3-tuned")] = _jsonable(r.dec.policy.summary())
         elif base == "eagle3-tree-tuned":  # per tree: cycles, EMA tokens and seconds per cycle
             trees = r.dec.policy.summary()["tree"]
-            config["tree_tuner" + m.removeprefix("eagle3-tree-tuned")] = {
-                f"{t.depth},{t.top_k},{t.total_tokens}": v for t, v in trees.items()
-            }
+            config["tree_tuner" + m.removeprefix("eagle3-tree-tuned")] = {str(t): v for t, v in trees.items()}
     checks = []
     interrupted = "interrupted_after_prompts" in config
     if not greedy and args.dist_samples > 0 and not interrupted:

@@ -275,11 +275,10 @@ def _reach_rows(
     first, last = P - 1, T - 1 - steps
     if last <= first:  # an answer of `steps` tokens or fewer scores no position
         return torch.zeros(B, 0, steps)
-    keep = torch.ones(steps, B, last - first)
+    n = last - first
+    keep = torch.ones(steps, B, n)
     for i, logits in ttt_unroll(draft, model.model.embed_tokens, x, features.to(dev), steps, start=first):
-        q_d = logits_to_probs(
-            logits[:, : last - first], sampling
-        )  # [B, n, V'] the draft's rule, as decoding's
+        q_d = logits_to_probs(logits[:, :n], sampling)  # [B, n, V'] the draft's rule, as decoding's
         d = to_draft[x[:, first + 2 + i : last + 2 + i]]  # the emitted tokens the draft tokens are checked by
         q = torch.where(d >= 0, q_d.gather(2, d.clamp(min=0)[..., None])[..., 0], torch.zeros((), device=dev))
         keep[i] = kept(q.cpu(), p_next[:, first + 1 + i - P : last + 1 + i - P])
