@@ -449,6 +449,68 @@ def test_ddp_two_processes_equal_one(tiny, tmp_path):
     assert list((tmp_path / "one" / "eagle3-draft").glob("events.out.tfevents.*"))  # the tensorboard tracker
 
 
+def test_fsdp2_two_processes_equal_one(tiny, tmp_path):
+    """accelerate's FSDP2 on 2 gloo processes (tests/fsdp_cpu.py turns it on for CPU processes): every
+    parameter sharded, 2 micro-batches of 1 sample per process, stopped at step 2 and resumed (the optimizer
+    state gathered into the checkpoint and cut into shards again), held-out scoring over 5 batches of 1 (one
+    process scores 3, the other 2 and runs a forward it does not count) == 1 process x 4 samples."""
+    held_out = tiny_samples(5, seed=1)
+    data = {"source": "test", "split": "eval", "num_samples": 5, "fingerprint": samples_fingerprint(held_out)}
+    settings = DumpSettings(
+        target_identity(tiny["root"] / "target") | {"dtype": "fp32"}, LAYERS, "bf16", 32, 8, data
+    )
+    write_dumps(
+        tiny["model"],
+        held_out,
+        tmp_path / "eval",
+        settings,
+        batch_tokens=1,
+        vocab=tiny["vocab"],
+        progress=False,
+    )
+    one = run(
+        tiny,
+        tmp_path / "one",
+        steps=4,
+        lr=1e-3,
+        warmup=1,
+        eval_every=2,
+        eval_data=DumpDataset(tmp_path / "eval"),
+    )
+    assert one["step"] == 4
+    common = ["--dumps", str(tiny["root"] / "dumps"), "--steps", "4", "--precision", "fp32", "--lr", "1e-3", "--warmup", "1",
+              "--eval-dumps", str(tmp_path / "eval"), "--eval-every", "2", "--batch-size", "1", "--grad-accum", "2",
+              "--tracker", "none", "--no-progress", "--threads", "1", "--out", str(tmp_path / "two")]  # fmt: skip
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for extra in (["--stop-after", "2"], ["--resume"]):
+        two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                              str(_free_port()), str(ROOT / "tests" / "fsdp_cpu.py"), *common, *extra],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert two.returncode == 0, two.stderr[-3000:]
+        n = len(draft_weights(tmp_path / "one"))  # the draft's tensors: its parameters + d2t, t2d
+        assert f"sharded parameters: {n - 2} of {n - 2}" in two.stdout
+    assert "resumed from" in two.stdout and json.loads(two.stdout.strip().splitlines()[-1])["processes"] == 2
+    a, b = draft_weights(tmp_path / "one"), draft_weights(tmp_path / "two")
+    # seen: 4.1e-7; resumed without the optimizer's state (Adam restarting) the weights move by 2e-3
+    assert all(torch.allclose(a[k].float(), b[k].float(), atol=5e-6, rtol=0) for k in a)
+    ra, rb = records(tmp_path / "one"), records(tmp_path / "two")
+    assert [r["step"] for r in ra] == [r["step"] for r in rb] == [1, 2, 3, 4]
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in ra] == pytest.approx([r[key] for r in rb], rel=1e-5), key
+    ea, eb = [r for r in ra if "eval_loss" in r], [r for r in rb if "eval_loss" in r]
+    assert [r["step"] for r in ea] == [r["step"] for r in eb] == [2, 4]
+    assert [r["eval_loss"] for r in ea] == pytest.approx([r["eval_loss"] for r in eb], rel=1e-5)
+    assert [r["eval_acc_i"] for r in ea] == [r["eval_acc_i"] for r in eb]
+    # bf16 as on GPUs: FSDP2 computes with bf16 copies of the parameters (accelerate's policy)
+    common[common.index("fp32")] = "bf16"
+    three = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                            str(_free_port()), str(ROOT / "tests" / "fsdp_cpu.py"), *common[:-1], str(tmp_path / "three"),
+                            "--stop-after", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert three.returncode == 0, three.stderr[-3000:]
+    bf16 = records(tmp_path / "three")[0]
+    assert bf16["loss"] != ra[0]["loss"] and bf16["loss"] == pytest.approx(ra[0]["loss"], rel=1e-3)
+
+
 def test_cli_help():
     r = subprocess.run(
         [sys.executable, "-m", "train.fit", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60

@@ -19,8 +19,10 @@ With the global count, 1 process x 4 samples, 2 x 2 and 1 x 2 x (2 accumulation 
 update (tests/test_fit.py checks it). `ttt_step_sums` reuses `ttt_unroll` and checks itself against
 `ttt_loss` in the tests.
 
-Runs on 1 CPU, 1 GPU or many processes through `accelerate` (`accelerate launch` or `torchrun`:
-DDP; FSDP via an accelerate config). The draft's embeddings are the target's, frozen and not saved.
+Runs on 1 CPU, 1 GPU or many processes through `accelerate` (`accelerate launch` or `torchrun`: DDP;
+FSDP2 through an accelerate config with `fsdp_version: 2`, which shards the draft's parameters and
+optimizer state: checkpoints gather them, so they are the same files whatever the run's layout, and a run
+may resume under another). The draft's embeddings are the target's, frozen and not saved.
 
 Outputs in --out: `train_log.jsonl` (a line per logged step), `checkpoints/step-NNNNNNN/` (the draft in
 the EAGLE-3 format + `training_state.pt` with optimizer, scheduler, step, RNG and data position,
@@ -349,17 +351,45 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def plain_draft_state(draft: nn.Module) -> dict[str, Tensor]:
-    """The draft's state in the released format: parameters + d2t/t2d, without FP8 scaling buffers."""
+def is_fsdp(acc) -> bool:
+    """Whether accelerate shards the model (an FSDP accelerate config)."""
+    from accelerate.utils import DistributedType
+
+    return acc.distributed_type == DistributedType.FSDP
+
+
+def gathered(t: Tensor) -> Tensor:
+    """A tensor whole: an FSDP2 parameter (or its optimizer state) is a DTensor holding this process's
+    shard, gathered here. A collective under FSDP: every process calls it, on the same tensors in the
+    same order."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_state(module: nn.Module) -> dict[str, Tensor]:
+    """module.state_dict() with every sharded entry gathered (a collective under FSDP)."""
+    return {k: gathered(v) for k, v in module.state_dict().items()}
+
+
+def plain_draft_state(draft: nn.Module, state: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """The draft's state (or `state`, a full_state of it) in the released format: parameters + d2t/t2d,
+    without FP8 scaling buffers."""
     with torch.device("meta"):
         keys = set(Eagle3Draft(draft.config).state_dict())
-    return {k: v for k, v in draft.state_dict().items() if k in keys}
+    return {k: v for k, v in (draft.state_dict() if state is None else state).items() if k in keys}
 
 
-def save_draft_plain(draft: Eagle3Draft, path: Path, extra_files: dict[str, str] | None = None) -> None:
-    """save_draft of the draft's plain weights (an FP8-converted draft saves as a normal one)."""
-    sd = plain_draft_state(draft)
-    if len(sd) != len(draft.state_dict()):
+def save_draft_plain(
+    draft: Eagle3Draft,
+    path: Path,
+    extra_files: dict[str, str] | None = None,
+    state: dict[str, Tensor] | None = None,
+) -> None:
+    """save_draft of the draft's plain weights (an FP8-converted draft saves as a normal one); `state`: its
+    full_state, gathered beforehand where the draft is sharded."""
+    sd = plain_draft_state(draft, state)
+    if state is not None or len(sd) != len(draft.state_dict()):
         with torch.device("meta"):
             plain = Eagle3Draft(draft.config)
         plain.load_state_dict({k: v.detach().cpu() for k, v in sd.items()}, strict=True, assign=True)
@@ -367,13 +397,21 @@ def save_draft_plain(draft: Eagle3Draft, path: Path, extra_files: dict[str, str]
     save_draft(draft, path, extra_files)
 
 
-def save_checkpoint(out: Path, step: int, draft: Eagle3Draft, state: dict[str, Any], keep: int) -> Path:
-    """checkpoints/step-NNNNNNN/{draft/, training_state.pt}: written under a temporary name, renamed."""
+def save_checkpoint(
+    out: Path,
+    step: int,
+    draft: Eagle3Draft,
+    state: dict[str, Any],
+    keep: int,
+    weights: dict[str, Tensor] | None = None,
+) -> Path:
+    """checkpoints/step-NNNNNNN/{draft/, training_state.pt}: written under a temporary name, renamed.
+    `weights`: the draft's full_state where it is sharded."""
     root = out / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:07d}"
     with atomic_dir(final, tmp_prefix=f".step-{step:07d}.tmp") as tmp:
-        save_draft_plain(draft, tmp / "draft")
+        save_draft_plain(draft, tmp / "draft", state=weights)
         torch.save(state, tmp / STATE_FILE)
     done = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file())
     for old in done[: max(0, len(done) - keep)]:
@@ -632,6 +670,14 @@ class _Run:
         self.fingerprint = data_fingerprint(data.lengths)
         self._batches: tuple[int, list[list[int]]] = (-1, [])
         self.fp8_sync = None
+        self.fsdp = is_fsdp(acc)
+        if self.fsdp and not acc.is_fsdp2:
+            raise UserError(
+                "train.fit shards the draft with FSDP2 only: set fsdp_version: 2 in the accelerate config"
+            )
+        if self.fsdp and cfg.fp8:
+            raise UserError("--fp8 is not supported under FSDP: train FP8 drafts under DDP (no FSDP config)")
+        self.optimizer_state: dict[str, Any] | None = None  # a checkpoint's, loaded after accelerate.prepare
         if cfg.fp8:
             from maverick.fp8 import sync_float8_amax_and_scale_history
 
@@ -661,16 +707,39 @@ class _Run:
                 "vocabulary unless --new-vocab; resume with the setting the run was started with)"
             )
         self.draft.load_state_dict({**sd, **state.get("fp8_buffers", {})}, strict=True)
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer_state = state["optimizer"]
         self.scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(state["rng"])
         return int(state["step"])
 
+    def load_optimizer(self) -> None:
+        """The restored checkpoint's optimizer state, after `accelerate.prepare`: FSDP2 replaces the
+        parameters by sharded ones (and a state loaded before would stay keyed to the old ones), so each
+        full state tensor is cut to this process's shard of its parameter here."""
+        if self.optimizer_state is None:
+            return
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        sd, self.optimizer_state = self.optimizer_state, None
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        for i, st in sd["state"].items():
+            p = params[i]
+            if isinstance(p, DTensor):  # every process holds the whole tensor: no communication
+                st.update({k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+                           for k, v in st.items() if k != "step"})  # fmt: skip
+        self.optimizer.load_state_dict(sd)
+
     def state(self, step: int) -> dict[str, Any]:
+        """The training state for a checkpoint, the same whether the run is sharded or not (a collective
+        under FSDP: every process calls it)."""
         plain = plain_draft_state(self.draft)
+        optimizer = self.optimizer.state_dict()
+        optimizer["state"] = {
+            i: {k: gathered(v) for k, v in st.items()} for i, st in optimizer["state"].items()
+        }
         return {
             "step": step,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
             "rng": _rng_state(),
             "data": {
@@ -685,8 +754,9 @@ class _Run:
         }
 
     def checkpoint(self, step: int) -> None:
+        state, weights = self.state(step), full_state(self.draft)  # gathered by every process under FSDP
         if self.acc.is_main_process:
-            path = save_checkpoint(self.out, step, self.draft, self.state(step), self.cfg.keep_checkpoints)
+            path = save_checkpoint(self.out, step, self.draft, state, self.cfg.keep_checkpoints, weights)
             self.acc.print(f"checkpoint {path}")
         self.acc.wait_for_everyone()
 
@@ -774,6 +844,7 @@ class _Run:
         cfg = self.cfg
         summary: dict[str, Any] = {"out": str(self.out.resolve()), "step": last, "steps": cfg.steps,
                                    "processes": self.acc.num_processes}  # fmt: skip
+        weights = full_state(self.draft) if last >= cfg.steps else None  # every process, under FSDP
         if not self.acc.is_main_process:
             return summary
         recs = (
@@ -789,7 +860,7 @@ class _Run:
         }
         if last >= cfg.steps:
             info = json.dumps({"config": dataclasses.asdict(cfg), "summary": summary}, indent=2)
-            save_draft_plain(self.draft, self.out / "draft", {"training.json": info})
+            save_draft_plain(self.draft, self.out / "draft", {"training.json": info}, weights)
             summary["draft"] = str((self.out / "draft").resolve())
         if recs:
             plot_curves(recs, self.out / "curve.png")
@@ -810,6 +881,7 @@ def _train(acc, cfg, data, vocab, embed_weight, lm_head_weight, target_cfg, eval
     elif acc.is_main_process and run.log_path.exists():
         run.log_path.unlink()
     run.objective, run.optimizer = acc.prepare(run.objective, run.optimizer)
+    run.load_optimizer()
     if cfg.tracker != "none":
         acc.init_trackers("eagle3-draft", config={k: (v if isinstance(v, int | float | str | bool) else str(v))
                                                   for k, v in dataclasses.asdict(cfg).items()})  # fmt: skip
@@ -863,12 +935,18 @@ def evaluate(objective, data: TrainData, lm_rows: Tensor, t2d: Tensor, cfg: FitC
     sums = torch.zeros(3, S, device=acc.device)
     order = sorted(range(len(data)), key=lambda i: -data.lengths[i])
     chunks = [order[i : i + cfg.batch_size] for i in range(0, len(order), cfg.batch_size)]
-    for ix in chunks[acc.process_index :: acc.num_processes]:
+    mine = chunks[acc.process_index :: acc.num_processes]
+    # under FSDP every forward gathers the weights with every process: all run the same number of forwards
+    # (a process out of chunks runs the first one again and does not count it)
+    rounds = -(-len(chunks) // acc.num_processes) if is_fsdp(acc) else len(mine)
+    for r in range(rounds):
+        ix = mine[r] if r < len(mine) else chunks[0]
         b = collate(data.fetch(ix), lm_rows, t2d, cfg.max_length)
         with acc.autocast():
             ce, correct = acc.unwrap_model(objective)(b.input_ids, b.loss_mask, b.features, b.target_logits,
                                                       b.target_in_vocab, b.attention_valid)  # fmt: skip
-        sums += torch.stack((ce.float(), correct, step_counts(b, S).float()))
+        if r < len(mine):
+            sums += torch.stack((ce.float(), correct, step_counts(b, S).float()))
     sums = acc.reduce(sums, reduction="sum")
     objective.train()
     c = sums[2].clamp(min=1)
