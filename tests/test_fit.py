@@ -509,6 +509,11 @@ def test_fsdp2_two_processes_equal_one(tiny, tmp_path):
     assert three.returncode == 0, three.stderr[-3000:]
     bf16 = records(tmp_path / "three")[0]
     assert bf16["loss"] != ra[0]["loss"] and bf16["loss"] == pytest.approx(ra[0]["loss"], rel=1e-3)
+    # FSDP1 (flat parameters) is refused in one line before anything runs
+    one = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
+                          str(_free_port()), str(ROOT / "tests" / "fsdp_cpu.py"), *common[:-1], str(tmp_path / "four")],
+                         cwd=ROOT, env=env | {"FSDP_VERSION": "1"}, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert one.returncode != 0 and "error: train.fit shards the draft with FSDP2 only" in one.stderr
 
 
 def test_cli_help():
