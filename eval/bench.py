@@ -324,7 +324,7 @@ class Runner:
         stats = {"seconds": g.seconds, "ttft": g.ttft, "cycles": s.cycles, "accepted": s.accepted}
         stats |= {"draft_lengths": s.draft_lengths, "draft_seconds": s.draft_seconds}
         stats["verify_seconds"] = s.verify_seconds
-        stats["lookup_cycles"] = s.lookup_cycles
+        stats["lookup_cycles"], stats["store_cycles"] = s.lookup_cycles, s.store_cycles
         return g.tokens[0], stats
 
     def _run_hf(self, ids, max_new_tokens):
@@ -632,6 +632,7 @@ def run_prompt(i, prompt, methods, runners, args, tok, eos, cut, bar) -> list[Ru
                     draft_seconds=st.get("draft_seconds", 0.0),
                     verify_seconds=st.get("verify_seconds", 0.0),
                     lookup_cycles=st.get("lookup_cycles", 0),
+                    store_cycles=st.get("store_cycles", 0),
                     peak_memory_mb=rss_mb(),
                     output_ids=new,
                     dtype=args.dtype,

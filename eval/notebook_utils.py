@@ -226,6 +226,7 @@ def run_record(
             draft_seconds=spec.draft_seconds,
             verify_seconds=spec.verify_seconds,
             lookup_cycles=spec.lookup_cycles,
+            store_cycles=spec.store_cycles,
         )
     return RunRecord(
         method=method,

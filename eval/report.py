@@ -57,6 +57,7 @@ class RunRecord:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     lookup_cycles: int = 0  # cycles whose draft was copied (eagle3/lookup.py, eagle3/datastore.py)
+    store_cycles: int = 0  # of those, cycles whose draft came from the datastore (eagle3/datastore.py)
     peak_memory_mb: float = 0.0
     output_ids: list[int] = field(default_factory=list)
     dtype: str = ""
@@ -68,7 +69,7 @@ class RunRecord:
         where = f"RunRecord(method={self.method!r}, prompt_id={self.prompt_id!r}, turn={self.turn})"
         if not isinstance(self.method, str) or not self.method:
             raise ValueError(f"{where}: field 'method' must be a non-empty string")
-        for name in ("turn", "new_tokens", "cycles", "lookup_cycles"):
+        for name in ("turn", "new_tokens", "cycles", "lookup_cycles", "store_cycles"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{where}: field {name!r} must be an int >= 0, got {value!r}")
@@ -80,6 +81,10 @@ class RunRecord:
             raise ValueError(f"{where}: field 'seconds' must be > 0 (tokens/s divides by it)")
         if self.lookup_cycles > self.cycles:
             raise ValueError(f"{where}: lookup_cycles ({self.lookup_cycles}) > cycles ({self.cycles})")
+        if self.store_cycles > self.lookup_cycles:
+            raise ValueError(
+                f"{where}: store_cycles ({self.store_cycles}) > lookup_cycles ({self.lookup_cycles})"
+            )
         if len(self.accepted) != self.cycles or len(self.draft_lengths) != self.cycles:
             raise ValueError(
                 f"{where}: 'accepted' ({len(self.accepted)}) and 'draft_lengths' "
@@ -224,6 +229,7 @@ def _summarise_method(
         lookup_share=sum(r.lookup_cycles for r in mine) / cycles
         if any(r.lookup_cycles for r in mine)
         else None,
+        store_share=sum(r.store_cycles for r in mine) / cycles if any(r.store_cycles for r in mine) else None,
     )
 
 
@@ -303,8 +309,10 @@ def table_rows(
     header = ["method", "tok/s", "x plain", "x HF", "tau"]
     header += [f"accept@{i}" for i in range(1, k_max + 1)]
     lookup = not compact and any(s.lookup_share is not None for s in summaries)
+    store = not compact and any(s.store_share is not None for s in summaries)
     extra = [] if compact else ["TTFT (s)", "peak MB"]
-    header += ["draft share"] + (["lookup"] if lookup else []) + extra + ["mismatches"]
+    header += ["draft share"] + (["lookup"] if lookup else []) + (["store"] if store else []) + extra
+    header += ["mismatches"]
     rows = []
     for s in summaries:
         accept = [_fmt(s.accept_rates[i], ".2f") if i < len(s.accept_rates) else "-" for i in range(k_max)]
@@ -322,6 +330,7 @@ def table_rows(
             + accept
             + [_fmt(None if s.draft_share is None else 100 * s.draft_share, ".1f", "%")]
             + ([_fmt(None if s.lookup_share is None else 100 * s.lookup_share, ".0f", "%")] if lookup else [])
+            + ([_fmt(None if s.store_share is None else 100 * s.store_share, ".0f", "%")] if store else [])
             + ([] if compact else [_fmt(s.mean_ttft, ".3f"), _fmt(s.peak_memory_mb, ".1f")])
             + [mismatches]
         )

@@ -41,7 +41,8 @@ class MethodSummary:
     mismatch_details: list[dict]  # {"prompt_id", "turn", "index"} per differing output
     first_mismatch_index: int | None  # token index of the first difference in the first mismatch
     reference: str = ""  # the method whose outputs the mismatches are counted against ("" = baseline)
-    lookup_share: float | None = None  # share of cycles drafted by prompt lookup (None: no lookup)
+    lookup_share: float | None = None  # share of cycles drafted by copying (lookup or datastore; None: none)
+    store_share: float | None = None  # of all cycles, the share copied from the datastore (None: none)
 
     @classmethod
     def from_dict(cls, data: dict) -> MethodSummary:

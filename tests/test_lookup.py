@@ -205,8 +205,17 @@ def test_bench_reports_what_the_tree_tuner_picked(tmp_path):
 
     out = tmp_path / "r"
     argv = ["--n", "1", "--turns", "1", "--max-new-tokens", "48", "--methods",
-            "ours-plain,eagle3-tree-tuned+lookup", "--tree-candidates", "1,1,1;2,2,3", "--out", str(out)]  # fmt: skip
+            "ours-plain,eagle3-tree-tuned+lookup,eagle3-tuned+lookup+store", "--tree-candidates", "1,1,1;2,2,3",
+            "--out", str(out)]  # fmt: skip
     assert bench.main(argv) == 0
+    # the shipped datastore's share of the cycles is recorded apart from prompt lookup's (a copied draft)
+    lines = [
+        json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()[1:]
+    ]  # after the settings
+    stored = [r for line in lines for r in line["records"] if r["method"] == "eagle3-tuned+lookup+store"]
+    assert (
+        len(stored) == 1 and 0 < stored[0]["store_cycles"] <= stored[0]["lookup_cycles"] < stored[0]["cycles"]
+    )
     config = json.loads((out / "report.json").read_text())["config"]
     assert config["trees_tuned"] == [{"depth": 1, "top_k": 1, "total_tokens": 1},
                                      {"depth": 2, "top_k": 2, "total_tokens": 3}]  # fmt: skip
@@ -223,13 +232,34 @@ def test_report_lookup_share():
         return RunRecord(method, "1", 0, len(accepted) + sum(accepted), 1.0, 0.1, cycles=len(accepted),
                          accepted=accepted, draft_lengths=[10] * len(accepted), lookup_cycles=lookup_cycles)  # fmt: skip
 
-    s = summarise([rec("ours-plain", []), rec("a", [0, 2, 10, 0]), rec("b", [0, 2, 10, 0], lookup_cycles=3)])
-    assert [x.lookup_share for x in s] == [None, None, 0.75]
+    b = rec("b", [0, 2, 10, 0], lookup_cycles=3)
+    b.store_cycles = 1  # of the 3 copied drafts, 1 from the datastore
+    s = summarise([rec("ours-plain", []), rec("a", [0, 2, 10, 0]), b])
+    assert [x.lookup_share for x in s] == [None, None, 0.75] and [x.store_share for x in s] == [
+        None,
+        None,
+        0.25,
+    ]
     header, rows = table_rows(s)
-    col = header.index("lookup")
-    assert [r[col] for r in rows] == ["-", "-", "75%"]
+    assert [r[header.index("lookup")] for r in rows] == ["-", "-", "75%"]
+    assert [r[header.index("store")] for r in rows] == ["-", "-", "25%"]
+    assert "store" not in table_rows(s[:2])[0]
     with pytest.raises(ValueError, match="lookup_cycles"):
         rec("c", [1], lookup_cycles=2)
+    with pytest.raises(ValueError, match="store_cycles"):
+        RunRecord(
+            "c",
+            "1",
+            0,
+            2,
+            1.0,
+            0.1,
+            cycles=1,
+            accepted=[1],
+            draft_lengths=[1],
+            lookup_cycles=0,
+            store_cycles=1,
+        )
 
 
 def test_lookup_alone_without_the_draft(target):
