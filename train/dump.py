@@ -26,7 +26,9 @@ matches the manifest are skipped, temporary files are deleted. A run with differ
 (target, layers, dtype, data) into the same directory is refused instead of mixing dumps.
 
 Target forwards are batched: the samples of a shard are sorted by length and grouped under a token
-budget, right-padded (causal attention: padding on the right cannot change earlier positions).
+budget, right-padded (causal attention: padding on the right cannot change earlier positions). Under
+torchrun the target runs tensor + expert parallel (maverick/parallel.py: each rank reads its slices of an
+HF directory), every rank runs every forward, and rank 0 writes.
 On CPUs with AMX a bf16 target is 3-4x faster than fp32 (see `python -m train.dump --help`).
 
 Shape legend: B batch, T tokens, N tokens of a shard, H target hidden, V target vocab, V' draft vocab.
@@ -121,7 +123,7 @@ def run_target(
     for b, s in enumerate(samples):
         L = lengths[b]
         hidden = out.hidden[b, :L]  # [L, H]
-        argmax = torch.cat([full_vocab_argmax(h, model.lm_head.weight) for h in hidden.split(head_rows)])
+        argmax = torch.cat([target_argmax(model, h) for h in hidden.split(head_rows)])
         results.append(
             {
                 "input_ids": torch.as_tensor(s["input_ids"], dtype=torch.int32).cpu(),
@@ -132,6 +134,26 @@ def run_target(
             }
         )
     return results
+
+
+def target_argmax(model: Llama4, hidden: Tensor) -> Tensor:
+    """The target's full-vocabulary argmax of hidden [N, H] (`full_vocab_argmax`). A tensor parallel
+    target (maverick/parallel.py) holds vocabulary rows vocab_start .. of the head on each rank: each rank
+    takes the best of its rows and its fp32 logit, and every rank picks the same winner from the gathered
+    pairs (the lowest id on a tie, as argmax does)."""
+    head = model.lm_head.weight
+    shard = getattr(model, "shard", None)
+    if shard is None:
+        return full_vocab_argmax(hidden, head)
+    import torch.distributed as dist
+
+    local = full_vocab_argmax(hidden, head)  # [N] ids of this rank's rows
+    logit = torch.einsum("nh,nh->n", hidden.float(), head[local].float())
+    pairs = torch.stack([logit.double(), (local + model.model.embed_tokens.vocab_start).double()])  # [2, N]
+    gathered = [torch.empty_like(pairs) for _ in range(shard.world)]
+    dist.all_gather(gathered, pairs, group=shard.group)
+    logits, ids = torch.stack(gathered, 1)  # [W, N] each, ranks in vocabulary order
+    return ids.gather(0, logits.argmax(0, keepdim=True))[0].long()
 
 
 def full_vocab_argmax(hidden: Tensor, head: Tensor, candidates: int = 8) -> Tensor:
@@ -241,12 +263,17 @@ def write_dumps(
 ) -> dict[str, Any]:
     """Dump `samples` (dicts with input_ids, loss_mask) through `model` into `out_dir`; resumable.
 
-    Returns the final manifest. `vocab` (d2t, t2d) is saved as vocab.safetensors when given.
+    Returns the final manifest. `vocab` (d2t, t2d) is saved as vocab.safetensors when given. A tensor
+    parallel target (maverick/parallel.py, under torchrun) runs its forwards on every rank, which all read
+    the same manifest first; rank 0 alone writes (the others return the manifest as it was).
     """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for tmp in remove_leftovers(out):  # left by an interrupted run: never valid
-        log.info("deleted partial file %s", tmp)
+    shard = getattr(model, "shard", None)
+    writer = shard is None or shard.rank == 0
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
+        for tmp in remove_leftovers(out):  # left by an interrupted run: never valid
+            log.info("deleted partial file %s", tmp)
     store_dtype = STORE_DTYPES[settings.dtype]
     n = len(samples)
     if n == 0:
@@ -270,7 +297,11 @@ def write_dumps(
                 shards[entry["index"]] = entry
             else:
                 log.warning("%s: missing or wrong size; dumping it again", f)
-    if vocab is not None:
+    if shard is not None:  # every rank has read the manifest before rank 0 writes
+        import torch.distributed as dist
+
+        dist.barrier(group=shard.group)
+    if vocab is not None and writer:
         save_vocab(out, *vocab)
 
     def manifest() -> dict[str, Any]:
@@ -294,7 +325,7 @@ def write_dumps(
     total_tokens = sum(
         len(samples[i]["input_ids"]) for k in todo for i in _shard_range(k, settings.shard_size, n)
     )
-    bar = _progress(total_tokens, progress, "dump")
+    bar = _progress(total_tokens, progress and writer, "dump")
     t0, done_tokens = time.perf_counter(), 0
     for k in todo:
         idx = list(_shard_range(k, settings.shard_size, n))
@@ -310,6 +341,8 @@ def write_dumps(
             if bar is not None:
                 bar.update(ntok)
                 bar.set_postfix(tok_s=f"{done_tokens / (time.perf_counter() - t0):.0f}", shard=k)
+        if not writer:
+            continue
         tensors = _shard_tensors(per_sample, idx[0])
         final = out / shard_name(k)
         with atomic_path(final) as tmp:
@@ -327,7 +360,8 @@ def write_dumps(
     if bar is not None:
         bar.close()
     m = manifest()
-    atomic_write(manifest_path, json.dumps(m, indent=2) + "\n")
+    if writer:
+        atomic_write(manifest_path, json.dumps(m, indent=2) + "\n")
     elapsed = time.perf_counter() - t0
     m["_run"] = {
         "seconds": elapsed,
@@ -597,7 +631,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-dtype", default="bf16", choices=sorted(TARGET_DTYPES),
                    help="dtype of the target forward (bf16: 3-4x faster on AMX CPUs)")  # fmt: skip
     p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="where the target runs")  # fmt: skip
+                   help="where the target runs (under torchrun: each rank's GPU, or the CPU)")  # fmt: skip
     p.add_argument("--dtype", default="bf16", choices=sorted(STORE_DTYPES), help="stored features / hidden")
     p.add_argument(
         "--feature-layers", type=int_list, default=None, help="comma-separated (default 2,L//2,L-3)"
@@ -616,11 +650,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
+    from maverick.parallel import init_from_env, load_model
+
     target_path = Path(args.target) if args.target else default_target_path()
     tokenizer_path = args.tokenizer or str(target_path)
-    print(json.dumps({"config": vars(args)}), flush=True)
+    shard = init_from_env()  # torchrun: the target tensor + expert parallel over the ranks
+    first = shard is None or shard.rank == 0
+    if first:
+        print(json.dumps({"config": vars(args)}), flush=True)
     samples, train_split, data = chat_samples(args, tokenizer_path)
-    model = load_target(target_path, TARGET_DTYPES[args.target_dtype], args.device)
+    if shard is None:
+        model = load_target(target_path, TARGET_DTYPES[args.target_dtype], args.device)
+    else:  # each rank reads its slices of an HF directory (a GGUF: the whole file, then its slices)
+        model = load_model(shard, TARGET_DTYPES[args.target_dtype], target_path)
     cfg = model.config
     layers = (
         tuple(args.feature_layers) if args.feature_layers else default_feature_layers(cfg.num_hidden_layers)
@@ -631,8 +673,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                              "num_hidden_layers": cfg.num_hidden_layers, "vocab_size": cfg.vocab_size}  # fmt: skip
     settings = DumpSettings(target, layers, args.dtype, args.max_length, args.shard_size, data)
     m = write_dumps(model, samples, args.out, settings, args.batch_tokens, (d2t, t2d), not args.no_progress)
+    if not first:
+        return {}
     summary = {
         "out": str(Path(args.out).resolve()),
+        "ranks": shard.world if shard else 1,
         "complete": m["complete"],
         "samples": m["samples"],
         "tokens": m["tokens"],
