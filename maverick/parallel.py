@@ -195,6 +195,16 @@ def all_sum(x: Tensor, shard: Shard) -> Tensor:
     return x
 
 
+def rank0_says(flag: bool, shard: Shard | None) -> bool:
+    """Rank 0's `flag` on every rank: decisions read from the clock (a time budget) differ between ranks,
+    and ranks that disagree on whether to run another forward wait for each other forever."""
+    if shard is None:
+        return flag
+    t = torch.tensor([int(flag)], device=device_for(shard))
+    dist.broadcast(t, src=0, group=shard.group)
+    return bool(t.item())
+
+
 def all_gather_last(x: Tensor, shard: Shard) -> Tensor:
     """Concatenate every rank's x [..., n] on the last dim, in rank order."""
     parts = [torch.empty_like(x) for _ in range(shard.world)]

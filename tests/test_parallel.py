@@ -347,6 +347,26 @@ def test_sharded_load_errors_name_the_key(tmp_path):
         load_hf_sharded(tmp_path / "ckpt", Shard(0, 2))
 
 
+def _wide_vocab_moe(path: Path) -> None:
+    """The tiny MoE with the GGUF tokenizer's vocabulary (49,152), saved as an HF directory."""
+    torch.manual_seed(0)
+    t = Llama4(dataclasses.replace(get_config("tiny-moe"), vocab_size=49152))
+    t.init_weights(std=0.1)
+    save_hf(t, path)
+
+
+def _chats(path: Path) -> None:
+    """Three conversations of one or two turns, as JSONL chats."""
+    import json
+
+    chats = [[("Hi", "Hello there! How can I help?"), ("What is 2+2?", "4.")],
+             [("Name a colour.", "Blue, like the sky on a clear day.")],
+             [("Say hello in French.", "Bonjour!"), ("And in German?", "Hallo!")]]  # fmt: skip
+    rows = [{"id": f"c{i}", "messages": [{"role": r, "content": x} for u, a in c for r, x in (("user", u), ("assistant", a))]}
+            for i, c in enumerate(chats)]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 def test_torchrun_dump_two_ranks_equals_one_process(tmp_path):
     """`torchrun --nproc-per-node 2 -m train.dump --target DIR`: the tiny MoE target sharded over 2 gloo
     ranks (each reads its slices) dumps what one process dumps: the same ids, masks and full-vocabulary
@@ -357,17 +377,8 @@ def test_torchrun_dump_two_ranks_equals_one_process(tmp_path):
 
     from train.dump import DumpDataset
 
-    torch.manual_seed(0)
-    cfg = dataclasses.replace(get_config("tiny-moe"), vocab_size=49152)  # the GGUF tokenizer's vocabulary
-    t = Llama4(cfg)
-    t.init_weights(std=0.1)
-    save_hf(t, tmp_path / "ckpt")
-    chats = [[("Hi", "Hello there! How can I help?"), ("What is 2+2?", "4.")],
-             [("Name a colour.", "Blue, like the sky on a clear day.")],
-             [("Say hello in French.", "Bonjour!"), ("And in German?", "Hallo!")]]  # fmt: skip
-    rows = [{"id": f"c{i}", "messages": [{"role": r, "content": x} for u, a in c for r, x in (("user", u), ("assistant", a))]}
-            for i, c in enumerate(chats)]  # fmt: skip
-    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _wide_vocab_moe(tmp_path / "ckpt")
+    _chats(tmp_path / "chats.jsonl")
     common = ["-m", "train.dump", "--target", str(tmp_path / "ckpt"), "--tokenizer", str(default_gguf_path()),
               "--data", str(tmp_path / "chats.jsonl"), "--heldout-fraction", "0", "--target-dtype", "fp32",
               "--shard-size", "2", "--draft-vocab-size", "256", "--no-progress", "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
@@ -388,3 +399,29 @@ def test_torchrun_dump_two_ranks_equals_one_process(tmp_path):
             assert torch.equal(x[key], y[key]), (i, key)
         for key in ("features", "hidden"):  # seen: a bf16 rounding flipped in 0.1% of the elements
             assert torch.allclose(x[key].float(), y[key].float(), rtol=2**-7, atol=1e-4), (i, key)
+
+
+def test_torchrun_regenerate_two_ranks_equals_one_process(tmp_path):
+    """`torchrun --nproc-per-node 2 -m train.regenerate --target DIR`: the sharded tiny MoE answers every
+    user turn as one process does (the same JSONL, written once, by rank 0); a rerun finds everything done."""
+    import json
+
+    _wide_vocab_moe(tmp_path / "ckpt")
+    _chats(tmp_path / "chats.jsonl")
+    common = ["-m", "train.regenerate", "--target", str(tmp_path / "ckpt"), "--tokenizer", str(default_gguf_path()),
+              "--data", str(tmp_path / "chats.jsonl"), "--dtype", "fp32", "--max-new-tokens", "12",
+              "--batch-size", "2", "--max-seconds", "600", "--device", "cpu"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    two = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29521"]
+    stats = {}
+    for name, launch in (("one", []), ("two", two), ("again", two)):
+        out = tmp_path / ("two" if name == "again" else name) / "chats.jsonl"
+        r = subprocess.run([sys.executable, *launch, *common, "--out", str(out)],
+                           capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        stats[name] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert stats["two"]["ranks"] == 2 and stats["one"]["conversations"] == stats["two"]["conversations"] == 3
+    assert stats["again"]["conversations"] == 0
+    one, got = ((tmp_path / d / "chats.jsonl").read_text().splitlines() for d in ("one", "two"))
+    assert len(one) == 3 and sorted(one) == sorted(got)
+    assert sum(m["role"] == "assistant" for line in one for m in json.loads(line)["messages"]) >= 3

@@ -6,6 +6,7 @@ benchmarks use), it sees the contexts it will meet when serving. The user turns 
 far, turn by turn, in batches (prompts of one batch may differ in length: see maverick/generate.py).
 
     python -m train.regenerate --out runs/regen/sharegpt.jsonl --max-samples 2000 --turns 2
+    torchrun --nproc-per-node 8 -m train.regenerate --target DIR --out ...   # the target sharded
 
 Output: JSONL of {"id", "messages"} (OpenAI form; `train.data.load_chats` reads it). Resumable: the file
 is appended batch by batch, a cut-off last line is dropped on restart, and ids already present are skipped.
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from maverick.cli import (
@@ -37,6 +39,7 @@ from maverick.cli import (
 )
 from maverick.files import atomic_write
 from maverick.generate import Decoder
+from maverick.parallel import Shard, init_from_env, load_model, rank0_says
 from maverick.target import TARGET_HELP, load_target, load_target_tokenizer
 from maverick.tokenizer import encode_chat
 from train.data import DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED, is_heldout, load_chats, load_sharegpt
@@ -87,15 +90,25 @@ def regenerate(
     max_user_chars: int = 2000,
     device: str = "cpu",
     max_seconds: float | None = None,
+    shard: Shard | None = None,
+    tokenizer: str | None = None,
 ) -> dict:
     """Answer the user turns of `conversations` with the target and append them to `out` (JSONL).
     target: a .gguf file or an HF directory (default SmolLM2-135M-Instruct); max_seconds: start no new batch
-    after this long (the file stays whole; a rerun continues)."""
+    after this long (the file stays whole; a rerun continues). shard: this rank of a tensor + expert
+    parallel target (maverick/parallel.py, under torchrun): every rank decodes every batch (the gathered
+    logits, so the same tokens), rank 0 writes, and rank 0's clock decides when to stop."""
     done = _read_done(out) | _read_done(skipped_path(out))  # before any model loads: a wrong --out stops here
-    model = load_target(target, dtype=dtype, device=device)
-    tok = load_target_tokenizer(target)
+    model = (
+        load_target(target, dtype=dtype, device=device) if shard is None else load_model(shard, dtype, target)
+    )
+    tok = load_target_tokenizer(tokenizer or target)
     eos = model.config.eos_ids
-    out.parent.mkdir(parents=True, exist_ok=True)
+    writer = shard is None or shard.rank == 0
+    if shard is not None:  # every rank has read what is done before rank 0 appends
+        dist.barrier(group=shard.group)
+    if writer:
+        out.parent.mkdir(parents=True, exist_ok=True)
     todo = [c for c in conversations if c["id"] not in done and user_turns(c, turns, max_user_chars)]
     # sort by first-turn length within blocks of 8 batches, so a batch holds similar lengths (less padding
     # in the prefill) while the blocks keep the given order: a run stopped early answered every length
@@ -107,10 +120,10 @@ def regenerate(
     ]
     dec = Decoder(model, max_len=max_prompt_tokens + max_new_tokens + 8, batch_size=batch_size, exact=False)
     n_tokens, t0 = 0, time.perf_counter()
-    bar = tqdm(total=len(todo), desc="regenerate", unit="conv")
+    bar = tqdm(total=len(todo), desc="regenerate", unit="conv", disable=not writer)
     n_done, empty = 0, 0
     for i in range(0, len(todo), batch_size):
-        if max_seconds is not None and i and time.perf_counter() - t0 >= max_seconds:
+        if max_seconds is not None and i and rank0_says(time.perf_counter() - t0 >= max_seconds, shard):
             break
         batch = todo[i : i + batch_size]
         msgs = [[] for _ in batch]
@@ -145,13 +158,14 @@ def regenerate(
             # a turn cut at max_new_tokens ends the conversation there
             ends = {j for j, ids in zip(live, gen.tokens) if ids and ids[-1] in eos}
             live = [j for j in answered if j in ends]
-        with out.open("a") as f:
-            for c, m in zip(batch, msgs):
-                if any(x["role"] == "assistant" for x in m):
-                    f.write(json.dumps({"id": c["id"], "messages": m}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        if skipped:
+        if writer:
+            with out.open("a") as f:
+                for c, m in zip(batch, msgs):
+                    if any(x["role"] == "assistant" for x in m):
+                        f.write(json.dumps({"id": c["id"], "messages": m}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        if skipped and writer:
             with skipped_path(out).open("a") as f:
                 f.writelines(json.dumps(s) + "\n" for s in skipped)
         empty += len(skipped)
@@ -178,7 +192,13 @@ def main(argv=None) -> None:
     ap.add_argument("--max-prompt-tokens", type=positive_int, default=768)
     ap.add_argument("--batch-size", type=positive_int, default=32)
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    ap.add_argument("--target", "--gguf", dest="target", default=None, help=TARGET_HELP)
+    ap.add_argument("--target", "--gguf", dest="target", default=None,
+                    help=TARGET_HELP + "; under torchrun each rank reads only its slices of an HF directory")  # fmt: skip
+    ap.add_argument(
+        "--tokenizer",
+        default=None,
+        help="GGUF file or HF directory with the tokenizer (default: the target's)",
+    )
     ap.add_argument(
         "--seed", type=nonnegative_int, default=0, help="which conversations are taken (train split only)"
     )
@@ -190,11 +210,14 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    shard = init_from_env()  # torchrun: the target tensor + expert parallel over the ranks
+    first = shard is None or shard.rank == 0
     if args.data:
         convs = load_chats(args.data)
     else:
         convs, report = load_sharegpt()
-        print(report.summary())
+        if first:
+            print(report.summary())
     convs = [c for c in convs if not is_heldout(c["id"], DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED)]
     g = torch.Generator().manual_seed(args.seed)
     order = torch.randperm(len(convs), generator=g).tolist()
@@ -211,8 +234,11 @@ def main(argv=None) -> None:
         args.target,
         device=args.device,
         max_seconds=args.max_seconds,
+        shard=shard,
+        tokenizer=args.tokenizer,
     )
-    print(json.dumps(stats))
+    if first:
+        print(json.dumps(stats | {"ranks": shard.world if shard else 1}))
 
 
 if __name__ == "__main__":
