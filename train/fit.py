@@ -670,12 +670,12 @@ class _Run:
         self.fingerprint = data_fingerprint(data.lengths)
         self._batches: tuple[int, list[list[int]]] = (-1, [])
         self.fp8_sync = None
-        self.fsdp = is_fsdp(acc)
-        if self.fsdp and not acc.is_fsdp2:
+        fsdp = is_fsdp(acc)
+        if fsdp and not acc.is_fsdp2:
             raise UserError(
                 "train.fit shards the draft with FSDP2 only: set fsdp_version: 2 in the accelerate config"
             )
-        if self.fsdp and cfg.fp8:
+        if fsdp and cfg.fp8:
             raise UserError("--fp8 is not supported under FSDP: train FP8 drafts under DDP (no FSDP config)")
         self.optimizer_state: dict[str, Any] | None = None  # a checkpoint's, loaded after accelerate.prepare
         if cfg.fp8:
