@@ -12,6 +12,11 @@ draft's share of the time and the draft lengths chosen. `--check` (greedy) decod
 well, on the same weights and engine, and says whether the tokens are identical and how much faster the
 speculative decoding was. Plain decoding alone: `python -m maverick.generate`; many prompts and methods side
 by side: `python -m eval.bench`.
+
+Under torchrun the target runs tensor + expert parallel (maverick/parallel.py; each rank reads its slices
+of an HF directory), the draft on every rank; the tuner's choices are rank 0's (eagle3.tuner.RankAgreed):
+
+    torchrun --nproc-per-node 8 -m eagle3.generate --target DIR --draft DRAFT --prompt "Hi" --chat --check
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ import torch
 from eagle3.draft import DEFAULT_DRAFT, check_draft_fits, load_draft
 from eagle3.lookup import LookupConfig
 from eagle3.spec import SpecDecoder, TreeConfig
-from eagle3.tuner import DraftLengthTuner, FixedK
+from eagle3.tuner import DraftLengthTuner, FixedK, RankAgreed
 from maverick.cli import UserError, add_threads_option, positive_int, positive_int_list, run_cli
 from maverick.compiled import for_engine
 from maverick.generate import Decoder, Generation, TextStream, check_lengths
+from maverick.parallel import init_from_env, load_model
 from maverick.sampling import SamplingParams, add_sampling_options
 from maverick.target import TARGET_HELP, load_target, load_target_tokenizer
 from maverick.tokenizer import encode_chat
@@ -59,7 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    ap.add_argument("--target", "--gguf", dest="target", default=None, help=TARGET_HELP)
+    ap.add_argument("--target", "--gguf", dest="target", default=None,
+                    help=TARGET_HELP + "; under torchrun each rank reads only its slices of an HF directory")  # fmt: skip
+    ap.add_argument("--tokenizer", default=None,
+                    help="GGUF file or HF directory with the tokenizer (default: the target's own)")  # fmt: skip
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT),
                     help="EAGLE-3 draft directory, or a training run's --out (default: the shipped draft)")  # fmt: skip
     ap.add_argument("--max-new-tokens", type=positive_int, default=256)
@@ -119,12 +128,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise UserError("--tree on --engine compiled is checked on CPU engines only: verify chains on a GPU")
     if args.threads:
         torch.set_num_threads(args.threads)
+    shard = init_from_env()  # torchrun: the target tensor + expert parallel over the ranks
+    if shard is not None and (args.q4 or args.engine == "compiled"):
+        raise UserError("--q4 and --engine compiled run in one process only: drop them under torchrun")
+    rank0 = shard is None or shard.rank == 0  # the rank that writes
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    tok = load_target_tokenizer(args.target)
+    tok = load_target_tokenizer(args.tokenizer or args.target)
     ids = (
         encode_chat(tok, [{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
     )
-    target = load_target(args.target, dtype=dtype, q4=args.q4)
+    target = (
+        load_target(args.target, dtype=dtype, q4=args.q4)
+        if shard is None
+        else load_model(shard, dtype, args.target)
+    )
     check_lengths([ids], args.max_new_tokens, target.config.max_position_embeddings, "--prompt")
     draft = load_draft(args.draft, dtype=dtype, device=str(target.device))
     check_draft_fits(draft.config, target.config, draft.source)
@@ -137,7 +154,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.engine == "compiled":
         secs = model.compile()
         print(json.dumps({"compile_s": round(sum(secs.values()), 1), "buckets": list(secs)}), flush=True)
-    policy = None if trees else FixedK(args.k) if args.k else DraftLengthTuner()  # several trees: made there
+    if trees:
+        policy = DraftLengthTuner(tree_configs=trees) if len(trees) > 1 else None
+    else:
+        policy = FixedK(args.k) if args.k else DraftLengthTuner()
+    if shard is not None and isinstance(policy, DraftLengthTuner):
+        policy = RankAgreed(policy, shard)
     spec = SpecDecoder(
         model,
         draft,
@@ -149,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engine=args.engine,
     )
     eos = target.config.eos_ids
-    stream = TextStream(tok)
+    stream = TextStream(tok, show=rank0)
 
     plain = Decoder(model, max_len=max_len) if args.check else None
     if plain is not None:  # both warmed up alike, so that the speeds compare
@@ -175,7 +197,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "plain_tokens_per_s": round(plain_tok_s, 2),
             "speedup": round(gen.new_tokens / gen.seconds / plain_tok_s, 2),
         }
-    print("\n" + json.dumps(result), flush=True)
+    if shard is not None:
+        result["ranks"] = shard.world
+    if rank0:
+        print("\n" + json.dumps(result), flush=True)
     if args.check and not result["identical_to_plain"]:
         return 1
     return result

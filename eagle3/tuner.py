@@ -59,6 +59,8 @@ from typing import Any
 
 import torch
 
+from maverick.parallel import rank0_value
+
 __all__ = ["Acceptance", "DraftLengthTuner", "FixedK", "HeuristicK", "LinearCost"]
 
 
@@ -529,3 +531,27 @@ class DraftLengthTuner(_Policy):
                 for c in self.tree_configs
             }
         return out
+
+
+class RankAgreed:
+    """A DraftLengthTuner whose every choice (draft length, copy length, tree) is rank 0's on every rank of a
+    tensor parallel target (maverick/parallel.py, under torchrun). The tuner decides from measured times,
+    which differ between ranks, and ranks that draft different lengths call different collectives and wait
+    for each other forever. Each rank records its own times; rank 0's choice is broadcast, one small
+    broadcast per decision. Everything else is the wrapped tuner's."""
+
+    def __init__(self, policy: DraftLengthTuner, shard) -> None:
+        self.policy, self.shard = policy, shard
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.policy, name)
+
+    def choose_k(self) -> int:
+        return rank0_value(self.policy.choose_k(), self.shard)
+
+    def choose_copy(self, lengths: Sequence[int], streak: bool = False) -> int:
+        return rank0_value(self.policy.choose_copy(lengths, streak), self.shard)
+
+    def choose_tree(self) -> Hashable:
+        configs = list(self.policy.tree_configs)
+        return configs[rank0_value(configs.index(self.policy.choose_tree()), self.shard)]

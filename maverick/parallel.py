@@ -53,8 +53,9 @@ row-count-safe chunking, exact attention, tree attention, FP8 experts) runs unch
 
 Everything that is not the target (the EAGLE-3 draft, sampling, acceptance) runs replicated: all ranks
 see the same gathered logits and take the same decisions, so they issue the same collectives. A draft
-length policy that reads wall-clock times (DraftLengthTuner) would diverge between ranks: use a fixed
-or acceptance-driven one (FixedK, HeuristicK) with a parallel target.
+length policy that reads wall-clock times (DraftLengthTuner) would diverge between ranks (seen: gloo
+aborts on the mismatched calls): eagle3.tuner.RankAgreed makes its choices rank 0's (`rank0_value`), as
+eagle3.generate does under torchrun; FixedK and HeuristicK need nothing.
 """
 
 from __future__ import annotations
@@ -195,14 +196,20 @@ def all_sum(x: Tensor, shard: Shard) -> Tensor:
     return x
 
 
-def rank0_says(flag: bool, shard: Shard | None) -> bool:
-    """Rank 0's `flag` on every rank: decisions read from the clock (a time budget) differ between ranks,
-    and ranks that disagree on whether to run another forward wait for each other forever."""
+def rank0_value(value: int, shard: Shard | None) -> int:
+    """Rank 0's `value` on every rank. Decisions read from the clock (a time budget, a tuner's measured
+    costs) differ between ranks, and ranks that disagree on the next forward's shape, or on whether to run
+    one, wait for each other forever: each such decision is rank 0's."""
     if shard is None:
-        return flag
-    t = torch.tensor([int(flag)], device=device_for(shard))
+        return value
+    t = torch.tensor([int(value)], device=device_for(shard))
     dist.broadcast(t, src=0, group=shard.group)
-    return bool(t.item())
+    return int(t.item())
+
+
+def rank0_says(flag: bool, shard: Shard | None) -> bool:
+    """Rank 0's `flag` on every rank (rank0_value)."""
+    return bool(rank0_value(int(flag), shard))
 
 
 def all_gather_last(x: Tensor, shard: Shard) -> Tensor:

@@ -425,3 +425,29 @@ def test_torchrun_regenerate_two_ranks_equals_one_process(tmp_path):
     one, got = ((tmp_path / d / "chats.jsonl").read_text().splitlines() for d in ("one", "two"))
     assert len(one) == 3 and sorted(one) == sorted(got)
     assert sum(m["role"] == "assistant" for line in one for m in json.loads(line)["messages"]) >= 3
+
+
+def test_torchrun_eagle3_generate_two_ranks(tmp_path):
+    """`torchrun --nproc-per-node 2 -m eagle3.generate --check`: speculative decoding with the sharded tiny MoE
+    and a draft on every rank emits plain decoding's tokens, with the tuned draft length and prompt lookup and
+    with tuned trees (the tuners' choices rank 0's: ranks that drafted by their own clocks would issue
+    different collectives and wait forever)."""
+    import json
+
+    from eagle3.draft import save_draft
+
+    _wide_vocab_moe(tmp_path / "ckpt")
+    save_draft(_draft(load_hf(tmp_path / "ckpt").config), tmp_path / "draft")
+    common = ["-m", "eagle3.generate", "--target", str(tmp_path / "ckpt"), "--draft", str(tmp_path / "draft"),
+              "--tokenizer", str(default_gguf_path()),
+              "--prompt", "Hello there, hello there, hello there", "--max-new-tokens", "24", "--dtype", "fp32", "--check"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for port, shape in ((29523, ["--lookup"]), (29525, ["--tree", "1,1,1", "--tree", "2,2,3"])):
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                            str(port), *common, *shape], capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        printed = [line for line in r.stdout.splitlines() if line.startswith('{"draft"')]
+        assert len(printed) == 1  # by rank 0 alone
+        result = json.loads(printed[0])
+        assert result["ranks"] == 2 and result["identical_to_plain"] and result["new_tokens"] == 24
+        assert result["shape"] == ("tuned" if shape == ["--lookup"] else "tuned tree of 1,1,1 | 2,2,3")

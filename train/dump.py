@@ -655,8 +655,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     target_path = Path(args.target) if args.target else default_target_path()
     tokenizer_path = args.tokenizer or str(target_path)
     shard = init_from_env()  # torchrun: the target tensor + expert parallel over the ranks
-    first = shard is None or shard.rank == 0
-    if first:
+    rank0 = shard is None or shard.rank == 0  # the rank that writes
+    if rank0:
         print(json.dumps({"config": vars(args)}), flush=True)
     samples, train_split, data = chat_samples(args, tokenizer_path)
     if shard is None:
@@ -673,7 +673,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                              "num_hidden_layers": cfg.num_hidden_layers, "vocab_size": cfg.vocab_size}  # fmt: skip
     settings = DumpSettings(target, layers, args.dtype, args.max_length, args.shard_size, data)
     m = write_dumps(model, samples, args.out, settings, args.batch_tokens, (d2t, t2d), not args.no_progress)
-    if not first:
+    if not rank0:
         return {}
     summary = {
         "out": str(Path(args.out).resolve()),

@@ -211,12 +211,12 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     shard = init_from_env()  # torchrun: the target tensor + expert parallel over the ranks
-    first = shard is None or shard.rank == 0
+    rank0 = shard is None or shard.rank == 0  # the rank that writes
     if args.data:
         convs = load_chats(args.data)
     else:
         convs, report = load_sharegpt()
-        if first:
+        if rank0:
             print(report.summary())
     convs = [c for c in convs if not is_heldout(c["id"], DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED)]
     g = torch.Generator().manual_seed(args.seed)
@@ -237,7 +237,7 @@ def main(argv=None) -> None:
         shard=shard,
         tokenizer=args.tokenizer,
     )
-    if first:
+    if rank0:
         print(json.dumps(stats | {"ranks": shard.world if shard else 1}))
 
 
