@@ -19,11 +19,17 @@ for MT-bench's 80 on 2 cores), so they are kept in `.cache/answers/`, keyed by e
 seed, torch, the CPU, the thread count and ANSWERS_VERSION, the batched kernels' version); the next
 comparison on the same prompts starts at the drafts.
 `--fresh-answers` generates them again.
+
+Under torchrun the target runs tensor + expert parallel (maverick/parallel.py; each rank reads its slices
+of an HF directory), every rank runs every forward and scores every draft, and rank 0 prints and writes:
+
+    torchrun --nproc-per-node 8 -m eval.acceptance --target DIR --draft DRAFT_A --draft DRAFT_B --n 80
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -43,6 +49,7 @@ from eval.prompts import BENCHMARKS, answer_text, chat_ids, check_prompts_option
 from maverick.aot import cpu_name
 from maverick.cli import UserError, add_threads_option, output_file, positive_int, run_cli
 from maverick.files import atomic_write
+from maverick.parallel import init_from_env, load_model, rank0_says
 from maverick.sampling import SamplingParams, add_sampling_options
 from maverick.target import (
     TARGET_HELP,
@@ -83,7 +90,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-new-tokens", type=positive_int, default=128)
     ap.add_argument("--steps", type=positive_int, default=5, help="draft positions scored")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    ap.add_argument("--target", "--gguf", dest="target", default=None, help=TARGET_HELP)
+    ap.add_argument("--target", "--gguf", dest="target", default=None,
+                    help=TARGET_HELP + "; under torchrun each rank reads only its slices of an HF directory")  # fmt: skip
+    ap.add_argument("--tokenizer", default=None,
+                    help="GGUF file or HF directory with the tokenizer (default: the target's own)")  # fmt: skip
     add_sampling_options(ap)
     add_threads_option(ap)
     ap.add_argument("--fresh-answers", action="store_true",
@@ -101,15 +111,26 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    model, tok = load_target(args.target, dtype=dtype), load_target_tokenizer(args.target)
-    drafts = {path: load_draft(path, dtype=dtype) for path in args.draft}  # every draft checked before work
+    shard = init_from_env()  # torchrun: the target tensor + expert parallel over the ranks
+    if shard is not None and shard.rank != 0:  # rank 0 prints, shows progress and writes
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            return _main(args, sampling, dtype, shard)
+    return _main(args, sampling, dtype, shard)
+
+
+def _main(args, sampling: SamplingParams, dtype: torch.dtype, shard) -> dict[str, Any]:
+    rank0 = shard is None or shard.rank == 0
+    model = load_target(args.target, dtype=dtype) if shard is None else load_model(shard, dtype, args.target)
+    tok = load_target_tokenizer(args.tokenizer or args.target)
+    # every draft is read and checked before any work
+    drafts = {path: load_draft(path, dtype=dtype, device=str(model.device)) for path in args.draft}
     for draft in drafts.values():
         check_draft_fits(draft.config, model.config, draft.source)
     bench = load_benchmark(args.bench, args.n, args.prompts)
     t0 = time.perf_counter()
     target = args.target or default_target_path()
     rule = "greedy" if sampling.greedy else f"sampled: {describe(sampling)}, seed {args.seed}"
-    asked = answer_turns(model, tok, target, bench, args, sampling, rule)
+    asked = answer_turns(model, tok, target, bench, args, sampling, rule, shard)
     prompts, answers, categories, turns = asked.prompts, asked.answers, asked.categories, asked.turns
     result: dict[str, Any] = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -132,7 +153,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         layers = tuple(draft.config.feature_layers)
         if layers not in fields:
             pairs = tqdm(
-                list(zip(prompts, answers)), desc="target", unit="answer", file=sys.stderr, leave=False
+                list(zip(prompts, answers)),
+                desc="target",
+                unit="answer",
+                file=sys.stderr,
+                leave=False,
+                disable=not rank0,
             )
             fields[layers] = [target_fields(model, p, a, layers) for p, a in pairs]
         if not probs:
@@ -146,7 +172,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             ]
         reach, details = [], []
         scored = zip(prompts, answers, fields[layers], probs, p_next)
-        for p, a, f, tp, n in tqdm(list(scored), desc="draft", unit="answer", file=sys.stderr, leave=False):
+        for p, a, f, tp, n in tqdm(
+            list(scored), desc="draft", unit="answer", file=sys.stderr, leave=False, disable=not rank0
+        ):
             if sampling.greedy:
                 reach.append(reach_of_runs(run_lengths(model, draft, p, a, args.steps, f), args.steps))
             else:
@@ -197,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 for s in cells
             )
             print(f"{str(c):14s} {cells[0]['positions']:6d}  {row}")
-    if args.out is not None:
+    if args.out is not None and rank0:
         atomic_write(args.out, json.dumps(result, indent=1) + "\n")
     return result
 
@@ -223,7 +251,9 @@ class Asked:
     turns: list[dict[str, Any]] = field(default_factory=list)
 
 
-def answer_turns(model, tok, target, bench: list[dict], args, sampling: SamplingParams, rule: str) -> Asked:
+def answer_turns(
+    model, tok, target, bench: list[dict], args, sampling: SamplingParams, rule: str, shard=None
+) -> Asked:
     """The target's answers to the first --turns turns of each benchmark prompt, each turn asked after the
     target's own earlier answers (their text in the chat, as eval.bench asks it); kept or read back per turn
     (`target_answers`)."""
@@ -235,7 +265,15 @@ def answer_turns(model, tok, target, bench: list[dict], args, sampling: Sampling
             break
         ids = [chat_ids(tok, bench[i], turn, texts[i]) for i in idx]
         got, cache = target_answers(
-            model, target, args.dtype, ids, args.max_new_tokens, args.fresh_answers, sampling, args.seed
+            model,
+            target,
+            args.dtype,
+            ids,
+            args.max_new_tokens,
+            args.fresh_answers,
+            sampling,
+            args.seed,
+            shard,
         )
         for i, a in zip(idx, got):
             texts[i].append(answer_text(tok, a, model.config.eos_ids))
@@ -270,16 +308,24 @@ def target_answers(
     fresh: bool,
     sampling: SamplingParams | None = None,
     seed: int = 0,
+    shard=None,
 ) -> tuple[list[list[int]], Path | None]:
     """`model`'s answers to `prompts` (the target file `target` in `dtype`; greedy, or drawn with `sampling`
     from `seed`), read from ANSWERS_DIR where an earlier run kept them (unless `fresh`), else generated and
-    kept. Returns (answers, the file they were read from, or None where they were generated)."""
-    path = answers_path(target, dtype, max_new_tokens, prompts, sampling, seed)
+    kept. Returns (answers, the file they were read from, or None where they were generated). A tensor
+    parallel target (`shard`, rank r of w) keeps its own answers (its partial sums add in another order);
+    every rank reads or generates as rank 0 does, and rank 0 writes."""
+    ranks = shard.world if shard is not None else 1
+    path = answers_path(target, dtype, max_new_tokens, prompts, sampling, seed, ranks)
     answers = None if fresh else read_answers(path, len(prompts))
-    if answers is not None:
+    if rank0_says(answers is not None, shard):
+        if answers is None:  # rank 0 read them, this rank could not: a file that changed between reads
+            raise UserError(f"{path}: rank {shard.rank} could not read the answers rank 0 read; run again")
         return answers, path
-    answers = answers_of(model, prompts, max_new_tokens, sampling=sampling, seed=seed, progress=True)
-    write_answers(path, answers)
+    rank0 = shard is None or shard.rank == 0
+    answers = answers_of(model, prompts, max_new_tokens, sampling=sampling, seed=seed, progress=rank0)
+    if rank0:
+        write_answers(path, answers)
     return answers, None
 
 
@@ -290,10 +336,11 @@ def answers_path(
     prompts: list[list[int]],
     sampling: SamplingParams | None = None,
     seed: int = 0,
+    ranks: int = 1,
 ) -> Path:
     """Where the target's answers to `prompts` are kept: named by a digest of all they depend on (the
     batched bf16 kernels' choices included: torch, the CPU, the thread count, ANSWERS_VERSION; for sampled
-    answers the rule and the seed)."""
+    answers the rule and the seed; the ranks of a tensor parallel target)."""
     ident = target_identity(target) | {"mtime_ns": Path(target).expanduser().resolve().stat().st_mtime_ns}
     key = [
         ident, dtype, max_new_tokens, prompts, torch.__version__, cpu_name(), torch.get_num_threads(),
@@ -301,6 +348,8 @@ def answers_path(
     ]  # fmt: skip
     if sampling is not None and not sampling.greedy:
         key.append([sampling.temperature, sampling.top_k, sampling.top_p, seed])
+    if ranks > 1:
+        key.append({"ranks": ranks})
     return ANSWERS_DIR / f"{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24]}.json"
 
 

@@ -451,3 +451,39 @@ def test_torchrun_eagle3_generate_two_ranks(tmp_path):
         result = json.loads(printed[0])
         assert result["ranks"] == 2 and result["identical_to_plain"] and result["new_tokens"] == 24
         assert result["shape"] == ("tuned" if shape == ["--lookup"] else "tuned tree of 1,1,1 | 2,2,3")
+
+
+def test_torchrun_acceptance_two_ranks_equals_one_process(tmp_path):
+    """`torchrun --nproc-per-node 2 -m eval.acceptance --target DIR`: the sharded tiny MoE's sampled answers
+    and the drafts' acceptance of sampled chains (the target's probabilities over the ranks' gathered head
+    rows) are one process's, for two drafts compared, printed and written once. (Greedy, random drafts
+    accept nothing here: sampled chains give numbers to compare.)"""
+    import json
+
+    from eagle3.draft import save_draft
+
+    _wide_vocab_moe(tmp_path / "ckpt")
+    cfg = load_hf(tmp_path / "ckpt").config
+    save_draft(_draft(cfg), tmp_path / "a")
+    torch.manual_seed(1)
+    save_draft(_draft(cfg), tmp_path / "b")
+    prompts = ["Hello there, hello there, hello", "Count: one two three four", "Name a colour."]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    common = ["-m", "eval.acceptance", "--target", str(tmp_path / "ckpt"), "--tokenizer", str(default_gguf_path()),
+              "--draft", str(tmp_path / "a"), "--draft", str(tmp_path / "b"), "--bench", "jsonl", "--prompts",
+              str(tmp_path / "p.jsonl"), "--max-new-tokens", "20", "--steps", "3", "--dtype", "fp32", "--temperature", "1"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    got = {}
+    for name, launch in (("one", []), ("two", ["-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                               "--master-port", "29527"])):  # fmt: skip
+        r = subprocess.run([sys.executable, *launch, *common, "--out", str(tmp_path / f"{name}.json")],
+                           capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.stdout.count("paired over the same answers") == 1  # rank 0 alone prints
+        got[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    one, two = got["one"], got["two"]
+    assert one["answer_tokens"] == two["answer_tokens"] == 60
+    for path in (str(tmp_path / "a"), str(tmp_path / "b")):
+        a, b = one["drafts"][path], two["drafts"][path]
+        assert a["positions"] == b["positions"] == 51 and a["p_run_ge"][0] > 0.1
+        assert a["p_run_ge"] == pytest.approx(b["p_run_ge"], abs=1e-6)

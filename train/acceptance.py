@@ -57,6 +57,7 @@ from tqdm import tqdm
 from eagle3.draft import Eagle3Draft
 from maverick.generate import Decoder
 from maverick.model import Llama4
+from maverick.parallel import all_gather_last
 from maverick.sampling import SamplingParams, logits_to_probs
 from train.dump import plan_batches, run_target
 from train.ttt import ttt_unroll
@@ -159,9 +160,11 @@ def token_probs(
     through `sampling`'s rule where given (else the plain softmax), over the full vocabulary."""
     hidden, tokens = hidden.to(model.device).float(), tokens.long().to(model.device)
     head = model.lm_head.weight.float()
+    shard = getattr(model, "shard", None)  # a tensor parallel target holds vocabulary rows of the head
     p = torch.zeros(len(tokens))
     for i in range(0, len(tokens), 512):  # [512, V] fp32 probabilities at a time
         logits = hidden[i : i + 512] @ head.T
+        logits = logits if shard is None else all_gather_last(logits, shard)
         probs = logits.softmax(-1) if sampling is None else logits_to_probs(logits, sampling)
         p[i : i + 512] = probs.gather(1, tokens[i : i + 512, None])[:, 0].cpu()
     return p
