@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -120,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def _main(args, sampling: SamplingParams, dtype: torch.dtype, shard) -> dict[str, Any]:
     rank0 = shard is None or shard.rank == 0
+    progress = functools.partial(tqdm, unit="answer", file=sys.stderr, leave=False, disable=not rank0)
     model = load_target(args.target, dtype=dtype) if shard is None else load_model(shard, dtype, args.target)
     tok = load_target_tokenizer(args.tokenizer or args.target)
     # every draft is read and checked before any work
@@ -152,14 +154,7 @@ def _main(args, sampling: SamplingParams, dtype: torch.dtype, shard) -> dict[str
         draft = drafts[path]
         layers = tuple(draft.config.feature_layers)
         if layers not in fields:
-            pairs = tqdm(
-                list(zip(prompts, answers)),
-                desc="target",
-                unit="answer",
-                file=sys.stderr,
-                leave=False,
-                disable=not rank0,
-            )
+            pairs = progress(list(zip(prompts, answers)), desc="target")
             fields[layers] = [target_fields(model, p, a, layers) for p, a in pairs]
         if not probs:
             p_next = [
@@ -172,9 +167,7 @@ def _main(args, sampling: SamplingParams, dtype: torch.dtype, shard) -> dict[str
             ]
         reach, details = [], []
         scored = zip(prompts, answers, fields[layers], probs, p_next)
-        for p, a, f, tp, n in tqdm(
-            list(scored), desc="draft", unit="answer", file=sys.stderr, leave=False, disable=not rank0
-        ):
+        for p, a, f, tp, n in progress(list(scored), desc="draft"):
             if sampling.greedy:
                 reach.append(reach_of_runs(run_lengths(model, draft, p, a, args.steps, f), args.steps))
             else:
@@ -264,17 +257,8 @@ def answer_turns(
         if not idx:
             break
         ids = [chat_ids(tok, bench[i], turn, texts[i]) for i in idx]
-        got, cache = target_answers(
-            model,
-            target,
-            args.dtype,
-            ids,
-            args.max_new_tokens,
-            args.fresh_answers,
-            sampling,
-            args.seed,
-            shard,
-        )
+        got, cache = target_answers(model, target, args.dtype, ids, args.max_new_tokens, args.fresh_answers,
+                                    sampling, args.seed, shard)  # fmt: skip
         for i, a in zip(idx, got):
             texts[i].append(answer_text(tok, a, model.config.eos_ids))
         asked.prompts += ids

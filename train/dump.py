@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
@@ -145,8 +146,6 @@ def target_argmax(model: Llama4, hidden: Tensor) -> Tensor:
     shard = getattr(model, "shard", None)
     if shard is None:
         return full_vocab_argmax(hidden, head)
-    import torch.distributed as dist
-
     local = full_vocab_argmax(hidden, head)  # [N] ids of this rank's rows
     logit = torch.einsum("nh,nh->n", hidden.float(), head[local].float())
     pairs = torch.stack([logit.double(), (local + model.model.embed_tokens.vocab_start).double()])  # [2, N]
@@ -298,8 +297,6 @@ def write_dumps(
             else:
                 log.warning("%s: missing or wrong size; dumping it again", f)
     if shard is not None:  # every rank has read the manifest before rank 0 writes
-        import torch.distributed as dist
-
         dist.barrier(group=shard.group)
     if vocab is not None and writer:
         save_vocab(out, *vocab)
