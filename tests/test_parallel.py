@@ -5,7 +5,8 @@ draft) emit the single process's tokens. The memory report for Maverick at 8 ran
 the parameter-count formula and the published totals.
 
 One spawn per world size runs every multi-process check (process start dominates on this CPU); 4 ranks is
-`slow`, as is the torchrun launch of maverick.generate.
+`slow`, as are the torchrun launches of maverick.generate and train.regenerate. The other commands that take
+a sharded target (train.dump, eagle3.generate, eval.acceptance) are launched by torchrun on 2 ranks here.
 """
 
 from __future__ import annotations
@@ -401,6 +402,7 @@ def test_torchrun_dump_two_ranks_equals_one_process(tmp_path):
             assert torch.allclose(x[key].float(), y[key].float(), rtol=2**-7, atol=1e-4), (i, key)
 
 
+@pytest.mark.slow
 def test_torchrun_regenerate_two_ranks_equals_one_process(tmp_path):
     """`torchrun --nproc-per-node 2 -m train.regenerate --target DIR`: the sharded tiny MoE answers every
     user turn as one process does (the same JSONL, written once, by rank 0); a rerun finds everything done."""
