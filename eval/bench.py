@@ -47,11 +47,18 @@ methods that tell the story in ~1.5 minutes on 2 cores; `--preset full` (the def
 default methods on 10; `--preset engine` (make bench-engine) the engines side by side on 3, llama.cpp's
 rows included when llama-cpp-python is installed (compiling the two engines takes ~9 minutes the first
 time on 2 cores; the 4-bit engine's graphs load from the cache after that).
+
+Under torchrun our eager methods (ours-plain, eagle3-*, with +lookup / +store) run on the target tensor +
+expert parallel (maverick/parallel.py; each rank reads its slices of an HF directory); every rank runs
+every method on every prompt, the tuners' choices are rank 0's, and rank 0 writes and reports:
+
+    torchrun --nproc-per-node 8 -m eval.bench --target DIR --draft DRAFT --methods ours-plain,eagle3-tuned+lookup
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import hashlib
 import json
@@ -62,6 +69,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from eagle3.datastore import Datastore, beside_draft
@@ -69,7 +77,7 @@ from eagle3.draft import DEFAULT_DRAFT, load_draft
 from eagle3.generate import tree_specs
 from eagle3.lookup import LookupConfig
 from eagle3.spec import SpecDecoder, TreeConfig
-from eagle3.tuner import DraftLengthTuner, FixedK
+from eagle3.tuner import DraftLengthTuner, FixedK, RankAgreed
 from eval.distcheck import DistCheck, check_method
 from eval.llama_cpp import LlamaCpp, is_llama_cpp, require
 from eval.prompts import BENCHMARKS, answer_text, chat_ids, check_prompts_option, load_benchmark
@@ -97,6 +105,7 @@ from maverick.cli import (
 )
 from maverick.files import atomic_write
 from maverick.generate import Decoder
+from maverick.parallel import init_from_env, load_model
 from maverick.sampling import SamplingParams, add_sampling_options
 from maverick.target import TARGET_HELP, load_hf_reference, load_target, load_target_tokenizer
 from maverick.tokenizer import default_gguf_path, encode_chat
@@ -409,7 +418,10 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default=",".join(ALL_METHODS))
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     add_sampling_options(ap)
-    ap.add_argument("--target", "--gguf", dest="gguf", default=None, help=TARGET_HELP)
+    ap.add_argument("--target", "--gguf", dest="gguf", default=None,
+                    help=TARGET_HELP + "; under torchrun each rank reads only its slices of an HF directory")  # fmt: skip
+    ap.add_argument("--tokenizer", default=None,
+                    help="GGUF file or HF directory with the tokenizer (default: the target's own)")  # fmt: skip
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT), help="EAGLE-3 draft directory")
     ap.add_argument("--datastore", default=None,
                     help="datastore for methods named <method>+lookup+store (default: <draft dir>.datastore.safetensors "
@@ -459,13 +471,35 @@ def main(argv=None) -> int:
                          "(make bench-engine); explicit --n / --methods override it")  # fmt: skip
     ap.set_defaults(**PRESETS[ap.parse_known_args(argv)[0].preset])
     args = ap.parse_args(argv)
+    shard = init_from_env()  # torchrun: the target tensor + expert parallel over the ranks
+    if shard is not None and shard.rank != 0:  # rank 0 prints, shows progress and writes
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            return bench(args, shard)
+    return bench(args, shard)
 
+
+def check_sharded_methods(args, methods: list[str]) -> None:
+    """Under torchrun only our eager methods run on the sharded target: HF's and llama.cpp's rows, the FP8,
+    4-bit and compiled variants and the compiled draft run in one process."""
+    other = [m for m in methods if m.startswith("hf-") or is_llama_cpp(m) or variant(m)]
+    if other:
+        raise UserError(f"under torchrun eval.bench runs our eager methods only; drop {', '.join(other)}")
+    if args.fp8 != "none" or args.compile_draft:
+        raise UserError("under torchrun drop --fp8 and --compile-draft (they run in one process)")
+
+
+def bench(args, shard) -> int:
+    """The run main() parsed: every rank of a sharded target runs every method on every prompt (their
+    collectives must match), rank 0 alone reads and writes --out (after every rank has read it) and reports."""
+    rank0 = shard is None or shard.rank == 0
     if args.threads:
         torch.set_num_threads(args.threads)
     check_prompts_option(args.bench, args.prompts)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     check_method_names(methods)
     check_datastore_option(args, methods)
+    if shard is not None:
+        check_sharded_methods(args, methods)
     if args.preset == "engine" and args.methods == PRESETS["engine"]["methods"]:
         methods = without_missing_llama_cpp(methods)
     for m in filter(is_llama_cpp, methods):
@@ -478,6 +512,7 @@ def main(argv=None) -> int:
     config = {k: v for k, v in vars(args).items()} | {"methods": methods, "gguf": gguf}
     config["tree_candidates"] = [asdict(t) for t in args.tree_candidates]  # as given (sampling cuts them)
     config |= {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": "cpu"}
+    config |= {"ranks": shard.world} if shard is not None else {}
     if any(m.startswith("eagle3-tree") and not m.startswith("eagle3-tree-tuned") for m in methods):
         config["tree"] = asdict(tree_config(args))
     if any(m.startswith("eagle3-tree-tuned") for m in methods):
@@ -486,11 +521,13 @@ def main(argv=None) -> int:
     earlier = []  # the progress file's lines of the prompts an earlier run finished
     if args.resume:
         earlier = read_progress(out_dir, config)
-    else:
+    elif rank0:  # --overwrite deletes: one rank
         check_out_dir(out_dir, args.overwrite)
+    if shard is not None:  # every rank has read the progress file before rank 0 writes to it
+        dist.barrier(group=shard.group)
     print(json.dumps(config), flush=True)
 
-    tok = load_target_tokenizer(gguf)
+    tok = load_target_tokenizer(args.tokenizer or gguf)
     prompts = load_benchmark(args.bench, n=args.n, path=args.prompts)
     done = finished_prompts(earlier, prompts, progress)
     if done:
@@ -500,7 +537,7 @@ def main(argv=None) -> int:
             flush=True,
         )
     check_prompt_lengths(args, tok, prompts)
-    target = load_target(gguf, dtype=dtype)
+    target = load_target(gguf, dtype=dtype) if shard is None else load_model(shard, dtype, gguf)
     context = target.config.max_position_embeddings
     if args.max_prompt_tokens + args.max_new_tokens > context:
         raise UserError(
@@ -510,7 +547,7 @@ def main(argv=None) -> int:
     eos = target.config.eos_ids
     draft = None
     if any(m.startswith("eagle3") for m in methods):
-        draft = load_draft(args.draft, dtype=dtype)
+        draft = load_draft(args.draft, dtype=dtype, device=str(target.device))
     hf = None
     if any(m.startswith("hf-") for m in methods):
         hf = load_hf_reference(gguf, dtype)  # the same GGUF file or HF directory in transformers
@@ -535,16 +572,23 @@ def main(argv=None) -> int:
     if any(variant(m) == Q4_COMPILED_SUFFIX for m in methods):
         targets[Q4_COMPILED_SUFFIX] = compiled_engine(targets[Q4_SUFFIX], draft, args)
     runners = {m: Runner(m, args, targets[variant(m)], draft, hf, eos) for m in methods}
+    for (
+        r
+    ) in runners.values():  # the tuners' choices are rank 0's: ranks drafting by their own clocks would hang
+        if shard is not None and isinstance(getattr(r.dec, "policy", None), DraftLengthTuner):
+            r.dec.policy = RankAgreed(r.dec.policy, shard)
 
     gen = torch.Generator().manual_seed(args.seed)
     # warm-up: one short generation per method (allocations, lazy init, compile)
     warm = encode_chat(tok, [{"role": "user", "content": "Say hello."}])
-    for r in tqdm(runners.values(), desc="warm-up", unit="method", file=sys.stderr):
+    for r in tqdm(runners.values(), desc="warm-up", unit="method", file=sys.stderr, disable=not rank0):
         r.run(warm, 8, gen)
 
     records: list[RunRecord] = []
     cut: list[str] = []  # prompt turns cut to --max-prompt-tokens (--long-prompts truncate)
-    bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", file=sys.stderr)
+    bar = tqdm(
+        total=len(prompts) * len(methods), desc="bench", unit="run", file=sys.stderr, disable=not rank0
+    )
     try:  # a prompt's records join `records` (and the progress file) once every method has run it
         for i, prompt in enumerate(prompts):
             key = str(prompt["id"])
@@ -554,9 +598,10 @@ def main(argv=None) -> int:
             else:
                 prompt_cut = []
                 prompt_records = run_prompt(i, prompt, methods, runners, args, tok, eos, prompt_cut, bar)
-                if not args.resume and not records:  # the run's first prompt: the file starts here
+                if rank0 and not args.resume and not records:  # the run's first prompt: the file starts here
                     start_progress(progress, config)
-                append_progress(progress, key, prompt, prompt_records, prompt_cut)
+                if rank0:
+                    append_progress(progress, key, prompt, prompt_records, prompt_cut)
             records.extend(prompt_records)
             cut.extend(prompt_cut)
     except KeyboardInterrupt:  # Ctrl-C: report the prompts every method finished, so nothing done is lost
@@ -583,7 +628,7 @@ def main(argv=None) -> int:
         checks = distribution_checks(args, methods, prompts, tok, targets, draft)
         config["distribution_check"] = [asdict(c) | {"passed": c.passed} for c in checks]
     config["truncated_turns"] = len(cut)
-    paths = write_report(records, summaries, config, out_dir)
+    paths = write_report(records, summaries, config, out_dir) if rank0 else {}
     n_prompts = config.get("interrupted_after_prompts", len(prompts))
     print(f"\ntarget {Path(gguf).name}, dtype {args.dtype}, {n_prompts} prompts x {args.turns} turns, "
           f"max_new_tokens {args.max_new_tokens}, temperature {args.temperature}")  # fmt: skip
@@ -596,8 +641,9 @@ def main(argv=None) -> int:
         print(f"distribution check {c.method} prompt {c.prompt_id}: TV of the 2nd token {c.tv:.3f} "
               f"(bound {c.bound:.3f}, {c.samples} samples, {c.buckets} buckets): {verdict}")  # fmt: skip
         ok = ok and c.passed
-    print(f"report (every column): {paths['json']}  {paths['markdown']}")
-    print(f"plots: {paths['speedup']}  {paths['acceptance']}  {paths['draft_length']}")
+    if paths:  # rank 0's
+        print(f"report (every column): {paths['json']}  {paths['markdown']}")
+        print(f"plots: {paths['speedup']}  {paths['acceptance']}  {paths['draft_length']}")
     print(json.dumps({s.method: {"tok_s": round(s.tokens_per_s, 2), "tau": s.tau} for s in summaries}))
     if interrupted:
         return INTERRUPTED_STATUS

@@ -489,3 +489,41 @@ def test_torchrun_acceptance_two_ranks_equals_one_process(tmp_path):
         a, b = one["drafts"][path], two["drafts"][path]
         assert a["positions"] == b["positions"] == 51 and a["p_run_ge"][0] > 0.1
         assert a["p_run_ge"] == pytest.approx(b["p_run_ge"], abs=1e-6)
+
+
+def test_torchrun_bench_two_ranks_equals_one_process(tmp_path):
+    """`torchrun --nproc-per-node 2 -m eval.bench --target DIR`: plain decoding and the tuned chain with prompt
+    lookup on the sharded tiny MoE emit one process's tokens (0 mismatches within the run, the same outputs as
+    a one-process run), rank 0 writes the report and prints once; HF's rows and the engines' variants are
+    refused under torchrun."""
+    import json
+    from types import SimpleNamespace
+
+    from eagle3.draft import save_draft
+    from eval.bench import check_sharded_methods
+    from maverick.cli import UserError
+
+    _wide_vocab_moe(tmp_path / "ckpt")
+    save_draft(_draft(load_hf(tmp_path / "ckpt").config), tmp_path / "draft")
+    prompts = ["Hello there, hello there, hello", "Count: one two three four", "Name a colour."]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    common = ["-m", "eval.bench", "--target", str(tmp_path / "ckpt"), "--tokenizer", str(default_gguf_path()),
+              "--draft", str(tmp_path / "draft"), "--bench", "jsonl", "--prompts", str(tmp_path / "p.jsonl"),
+              "--turns", "1", "--methods", "ours-plain,eagle3-tuned+lookup", "--max-new-tokens", "24", "--dtype", "fp32"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    outputs = {}
+    for name, launch in (("one", []), ("two", ["-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                               "--master-port", "29529"])):  # fmt: skip
+        r = subprocess.run([sys.executable, *launch, *common, "--out", str(tmp_path / name)],
+                           capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]  # 0: no mismatches
+        assert r.stdout.count("report (every column)") == 1
+        lines = (tmp_path / name / "records.jsonl").read_text().splitlines()[1:]
+        outputs[name] = {(x["method"], x["prompt_id"]): x["output_ids"] for line in lines for x in json.loads(line)["records"]}  # fmt: skip
+    assert len(outputs["one"]) == 6 and outputs["one"] == outputs["two"]
+    assert json.loads((tmp_path / "two" / "report.json").read_text())["config"]["ranks"] == 2
+    args = SimpleNamespace(fp8="none", compile_draft=False)
+    with pytest.raises(UserError, match="drop hf-generate, ours-plain\\+q4"):
+        check_sharded_methods(args, ["ours-plain", "hf-generate", "ours-plain+q4"])
+    with pytest.raises(UserError, match="--fp8 and --compile-draft"):
+        check_sharded_methods(SimpleNamespace(fp8="target", compile_draft=False), ["ours-plain"])
