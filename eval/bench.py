@@ -105,7 +105,7 @@ from maverick.cli import (
 )
 from maverick.files import atomic_write
 from maverick.generate import Decoder
-from maverick.parallel import init_from_env, load_model
+from maverick.parallel import device_for, init_from_env, load_model
 from maverick.sampling import SamplingParams, add_sampling_options
 from maverick.target import TARGET_HELP, load_hf_reference, load_target, load_target_tokenizer
 from maverick.tokenizer import default_gguf_path, encode_chat
@@ -511,7 +511,11 @@ def bench(args, shard) -> int:
     out_dir = Path(args.out or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     config = {k: v for k, v in vars(args).items()} | {"methods": methods, "gguf": gguf}
     config["tree_candidates"] = [asdict(t) for t in args.tree_candidates]  # as given (sampling cuts them)
-    config |= {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": "cpu"}
+    config |= {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "device": str(device_for(shard)),
+    }
     config |= {"ranks": shard.world} if shard is not None else {}
     if any(m.startswith("eagle3-tree") and not m.startswith("eagle3-tree-tuned") for m in methods):
         config["tree"] = asdict(tree_config(args))
