@@ -368,6 +368,19 @@ def _chats(path: Path) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def _one_process_and_two_ranks(args: list[str], port: int, out) -> dict[str, subprocess.CompletedProcess]:
+    """`python -m ...` with `args` in one process ("one") and under torchrun on 2 gloo ranks ("two"), each
+    with its output arguments `out(name)`; both must succeed."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    runs = {}
+    for name, launch in (("one", []), ("two", ["-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                               "--master-port", str(port)])):  # fmt: skip
+        r = subprocess.run([sys.executable, *launch, *args, *out(name)], capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[name] = r
+    return runs
+
+
 def test_torchrun_dump_two_ranks_equals_one_process(tmp_path):
     """`torchrun --nproc-per-node 2 -m train.dump --target DIR`: the tiny MoE target sharded over 2 gloo
     ranks (each reads its slices) dumps what one process dumps: the same ids, masks and full-vocabulary
@@ -383,14 +396,8 @@ def test_torchrun_dump_two_ranks_equals_one_process(tmp_path):
     common = ["-m", "train.dump", "--target", str(tmp_path / "ckpt"), "--tokenizer", str(default_gguf_path()),
               "--data", str(tmp_path / "chats.jsonl"), "--heldout-fraction", "0", "--target-dtype", "fp32",
               "--shard-size", "2", "--draft-vocab-size", "256", "--no-progress", "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    runs = {}
-    for name, launch in (("one", []), ("two", ["-m", "torch.distributed.run", "--nproc-per-node", "2",
-                                               "--master-port", "29519"])):  # fmt: skip
-        r = subprocess.run([sys.executable, *launch, *common, "--out", str(tmp_path / name)],
-                           capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
-        assert r.returncode == 0, r.stderr[-3000:]
-        runs[name] = json.loads(r.stdout.strip().splitlines()[-1])
+    ran = _one_process_and_two_ranks(common, 29519, lambda name: ["--out", str(tmp_path / name)])
+    runs = {name: json.loads(r.stdout.strip().splitlines()[-1]) for name, r in ran.items()}
     assert runs["two"]["ranks"] == 2 and runs["two"]["samples"] == runs["one"]["samples"] == 3
     a, b = DumpDataset(tmp_path / "one"), DumpDataset(tmp_path / "two")
     assert all(torch.equal(x, y) for x, y in zip(a.vocab(), b.vocab()))
@@ -474,15 +481,11 @@ def test_torchrun_acceptance_two_ranks_equals_one_process(tmp_path):
     common = ["-m", "eval.acceptance", "--target", str(tmp_path / "ckpt"), "--tokenizer", str(default_gguf_path()),
               "--draft", str(tmp_path / "a"), "--draft", str(tmp_path / "b"), "--bench", "jsonl", "--prompts",
               str(tmp_path / "p.jsonl"), "--max-new-tokens", "20", "--steps", "3", "--dtype", "fp32", "--temperature", "1"]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    got = {}
-    for name, launch in (("one", []), ("two", ["-m", "torch.distributed.run", "--nproc-per-node", "2",
-                                               "--master-port", "29527"])):  # fmt: skip
-        r = subprocess.run([sys.executable, *launch, *common, "--out", str(tmp_path / f"{name}.json")],
-                           capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert r.stdout.count("paired over the same answers") == 1  # rank 0 alone prints
-        got[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    ran = _one_process_and_two_ranks(common, 29527, lambda name: ["--out", str(tmp_path / f"{name}.json")])
+    assert all(
+        r.stdout.count("paired over the same answers") == 1 for r in ran.values()
+    )  # rank 0 alone prints
+    got = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ran}
     one, two = got["one"], got["two"]
     assert one["answer_tokens"] == two["answer_tokens"] == 60
     for path in (str(tmp_path / "a"), str(tmp_path / "b")):
@@ -510,14 +513,12 @@ def test_torchrun_bench_two_ranks_equals_one_process(tmp_path):
     common = ["-m", "eval.bench", "--target", str(tmp_path / "ckpt"), "--tokenizer", str(default_gguf_path()),
               "--draft", str(tmp_path / "draft"), "--bench", "jsonl", "--prompts", str(tmp_path / "p.jsonl"),
               "--turns", "1", "--methods", "ours-plain,eagle3-tuned+lookup", "--max-new-tokens", "24", "--dtype", "fp32"]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    ran = _one_process_and_two_ranks(
+        common, 29529, lambda name: ["--out", str(tmp_path / name)]
+    )  # exit 0: no mismatches
+    assert all(r.stdout.count("report (every column)") == 1 for r in ran.values())  # rank 0 alone reports
     outputs = {}
-    for name, launch in (("one", []), ("two", ["-m", "torch.distributed.run", "--nproc-per-node", "2",
-                                               "--master-port", "29529"])):  # fmt: skip
-        r = subprocess.run([sys.executable, *launch, *common, "--out", str(tmp_path / name)],
-                           capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
-        assert r.returncode == 0, r.stderr[-3000:]  # 0: no mismatches
-        assert r.stdout.count("report (every column)") == 1
+    for name in ran:
         lines = (tmp_path / name / "records.jsonl").read_text().splitlines()[1:]
         outputs[name] = {(x["method"], x["prompt_id"]): x["output_ids"] for line in lines for x in json.loads(line)["records"]}  # fmt: skip
     assert len(outputs["one"]) == 6 and outputs["one"] == outputs["two"]
