@@ -525,7 +525,7 @@ def bench(args, shard) -> int:
     earlier = []  # the progress file's lines of the prompts an earlier run finished
     if args.resume:
         earlier = read_progress(out_dir, config)
-    elif rank0:  # --overwrite deletes: one rank
+    else:  # on every rank: each refuses alike (nothing is deleted before the first prompt is written)
         check_out_dir(out_dir, args.overwrite)
     if shard is not None:  # every rank has read the progress file before rank 0 writes to it
         dist.barrier(group=shard.group)
