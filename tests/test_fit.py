@@ -456,28 +456,10 @@ def test_fsdp2_two_processes_equal_one(tiny, tmp_path):
     process scores 3, the other 2 and runs a forward it does not count) == 1 process x 4 samples."""
     held_out = tiny_samples(5, seed=1)
     data = {"source": "test", "split": "eval", "num_samples": 5, "fingerprint": samples_fingerprint(held_out)}
-    settings = DumpSettings(
-        target_identity(tiny["root"] / "target") | {"dtype": "fp32"}, LAYERS, "bf16", 32, 8, data
-    )
-    write_dumps(
-        tiny["model"],
-        held_out,
-        tmp_path / "eval",
-        settings,
-        batch_tokens=1,
-        vocab=tiny["vocab"],
-        progress=False,
-    )
-    one = run(
-        tiny,
-        tmp_path / "one",
-        steps=4,
-        lr=1e-3,
-        warmup=1,
-        eval_every=2,
-        eval_data=DumpDataset(tmp_path / "eval"),
-    )
-    assert one["step"] == 4
+    settings = DumpSettings(target_identity(tiny["root"] / "target") | {"dtype": "fp32"}, LAYERS, "bf16", 32, 8, data)  # fmt: skip
+    write_dumps(tiny["model"], held_out, tmp_path / "eval", settings, batch_tokens=1, vocab=tiny["vocab"], progress=False)  # fmt: skip
+    summary = run(tiny, tmp_path / "one", steps=4, lr=1e-3, warmup=1, eval_every=2, eval_data=DumpDataset(tmp_path / "eval"))  # fmt: skip
+    assert summary["step"] == 4
     common = ["--dumps", str(tiny["root"] / "dumps"), "--steps", "4", "--precision", "fp32", "--lr", "1e-3", "--warmup", "1",
               "--eval-dumps", str(tmp_path / "eval"), "--eval-every", "2", "--batch-size", "1", "--grad-accum", "2",
               "--tracker", "none", "--no-progress", "--threads", "1", "--out", str(tmp_path / "two")]  # fmt: skip
@@ -510,10 +492,10 @@ def test_fsdp2_two_processes_equal_one(tiny, tmp_path):
     bf16 = records(tmp_path / "three")[0]
     assert bf16["loss"] != ra[0]["loss"] and bf16["loss"] == pytest.approx(ra[0]["loss"], rel=1e-3)
     # FSDP1 (flat parameters) is refused in one line before anything runs
-    one = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
-                          str(_free_port()), str(ROOT / "tests" / "fsdp_cpu.py"), *common[:-1], str(tmp_path / "four")],
-                         cwd=ROOT, env=env | {"FSDP_VERSION": "1"}, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert one.returncode != 0 and "error: train.fit shards the draft with FSDP2 only" in one.stderr
+    v1 = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
+                         str(_free_port()), str(ROOT / "tests" / "fsdp_cpu.py"), *common[:-1], str(tmp_path / "four")],
+                        cwd=ROOT, env=env | {"FSDP_VERSION": "1"}, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert v1.returncode != 0 and "error: train.fit shards the draft with FSDP2 only" in v1.stderr
 
 
 def test_cli_help():
