@@ -14,7 +14,8 @@ speculative decoding was. Plain decoding alone: `python -m maverick.generate`; m
 by side: `python -m eval.bench`.
 
 Under torchrun the target runs tensor + expert parallel (maverick/parallel.py; each rank reads its slices
-of an HF directory), the draft on every rank; the tuner's choices are rank 0's (eagle3.tuner.RankAgreed):
+of an HF directory), the draft on every rank; the tuner's choices are rank 0's (eagle3.tuner.RankAgreed,
+which SpecDecoder puts around a tuner on a sharded target):
 
     torchrun --nproc-per-node 8 -m eagle3.generate --target DIR --draft DRAFT --prompt "Hi" --chat --check
 """
@@ -31,7 +32,7 @@ import torch
 from eagle3.draft import DEFAULT_DRAFT, check_draft_fits, load_draft
 from eagle3.lookup import LookupConfig
 from eagle3.spec import SpecDecoder, TreeConfig
-from eagle3.tuner import DraftLengthTuner, FixedK, RankAgreed
+from eagle3.tuner import DraftLengthTuner, FixedK
 from maverick.cli import UserError, add_threads_option, positive_int, positive_int_list, run_cli
 from maverick.compiled import for_engine
 from maverick.generate import Decoder, Generation, TextStream, check_lengths
@@ -158,8 +159,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         policy = DraftLengthTuner(tree_configs=trees) if len(trees) > 1 else None
     else:
         policy = FixedK(args.k) if args.k else DraftLengthTuner()
-    if shard is not None and isinstance(policy, DraftLengthTuner):
-        policy = RankAgreed(policy, shard)
     spec = SpecDecoder(
         model,
         draft,

@@ -48,7 +48,7 @@ from eagle3.sampling import (
     verify_tree_greedy,
     verify_tree_sampling,
 )
-from eagle3.tuner import DraftLengthTuner, FixedK
+from eagle3.tuner import DraftLengthTuner, FixedK, RankAgreed
 from maverick.compiled import for_engine
 from maverick.generate import Generation, check_lengths, decode_window, prefill
 from maverick.model import Llama4
@@ -117,7 +117,8 @@ class SpecDecoder:
     """Holds target + draft, both caches, and the decoding policy.
 
     policy: an object with choose_k / record_draft / record_verify / record_acceptance (eagle3/tuner.py:
-    FixedK, HeuristicK, DraftLengthTuner). tree: a TreeConfig to draft trees instead of chains (batch 1),
+    FixedK, HeuristicK, DraftLengthTuner; with a tensor parallel target a DraftLengthTuner's choices are rank
+    0's, eagle3.tuner.RankAgreed). tree: a TreeConfig to draft trees instead of chains (batch 1),
     or several: tuned trees, the policy's `choose_tree` picking one per cycle by its measured tokens per
     second (a DraftLengthTuner with these as its tree_configs; made here when policy is None).
     compile_draft: on CPU, the draft's cache calls (one-token steps and catch-ups) as one compiled graph
@@ -167,6 +168,9 @@ class SpecDecoder:
         self.feature_layers = tuple(draft.config.feature_layers)
         self.max_len = max_len
         self.policy = policy if policy is not None else FixedK(4)
+        shard = getattr(target, "shard", None)  # a tensor parallel target (maverick/parallel.py, torchrun)
+        if shard is not None and isinstance(self.policy, DraftLengthTuner):  # its clock differs per rank
+            self.policy = RankAgreed(self.policy, shard)
         self.tree = tree  # the largest tree (None: chains)
         self._pick_tree = bool(picks) and tree is not None  # the policy picks each cycle's tree
         self.lookup = lookup

@@ -50,7 +50,8 @@ time on 2 cores; the 4-bit engine's graphs load from the cache after that).
 
 Under torchrun our eager methods (ours-plain, eagle3-*, with +lookup / +store) run on the target tensor +
 expert parallel (maverick/parallel.py; each rank reads its slices of an HF directory); every rank runs
-every method on every prompt, the tuners' choices are rank 0's, and rank 0 writes and reports:
+every method on every prompt, the tuners' choices are rank 0's (SpecDecoder wraps them in
+eagle3.tuner.RankAgreed), and rank 0 writes and reports:
 
     torchrun --nproc-per-node 8 -m eval.bench --target DIR --draft DRAFT --methods ours-plain,eagle3-tuned+lookup
 """
@@ -77,7 +78,7 @@ from eagle3.draft import DEFAULT_DRAFT, load_draft
 from eagle3.generate import tree_specs
 from eagle3.lookup import LookupConfig
 from eagle3.spec import SpecDecoder, TreeConfig
-from eagle3.tuner import DraftLengthTuner, FixedK, RankAgreed
+from eagle3.tuner import DraftLengthTuner, FixedK
 from eval.distcheck import DistCheck, check_method
 from eval.llama_cpp import LlamaCpp, is_llama_cpp, require
 from eval.prompts import BENCHMARKS, answer_text, chat_ids, check_prompts_option, load_benchmark
@@ -576,11 +577,6 @@ def bench(args, shard) -> int:
     if any(variant(m) == Q4_COMPILED_SUFFIX for m in methods):
         targets[Q4_COMPILED_SUFFIX] = compiled_engine(targets[Q4_SUFFIX], draft, args)
     runners = {m: Runner(m, args, targets[variant(m)], draft, hf, eos) for m in methods}
-    for (
-        r
-    ) in runners.values():  # the tuners' choices are rank 0's: ranks drafting by their own clocks would hang
-        if shard is not None and isinstance(getattr(r.dec, "policy", None), DraftLengthTuner):
-            r.dec.policy = RankAgreed(r.dec.policy, shard)
 
     gen = torch.Generator().manual_seed(args.seed)
     # warm-up: one short generation per method (allocations, lazy init, compile)

@@ -54,8 +54,8 @@ row-count-safe chunking, exact attention, tree attention, FP8 experts) runs unch
 Everything that is not the target (the EAGLE-3 draft, sampling, acceptance) runs replicated: all ranks
 see the same gathered logits and take the same decisions, so they issue the same collectives. A draft
 length policy that reads wall-clock times (DraftLengthTuner) would diverge between ranks (seen: gloo
-aborts on the mismatched calls): eagle3.tuner.RankAgreed makes its choices rank 0's (`rank0_value`), as
-eagle3.generate does under torchrun; FixedK and HeuristicK need nothing.
+aborts on the mismatched calls): eagle3.tuner.RankAgreed makes its choices rank 0's (`rank0_value`), and
+SpecDecoder wraps a DraftLengthTuner in it when its target is sharded; FixedK and HeuristicK need nothing.
 """
 
 from __future__ import annotations
