@@ -38,7 +38,7 @@ from maverick.compiled import for_engine
 from maverick.generate import Decoder, Generation, TextStream, check_lengths
 from maverick.parallel import init_from_env, load_model
 from maverick.sampling import SamplingParams, add_sampling_options
-from maverick.target import TARGET_HELP, load_target, load_target_tokenizer
+from maverick.target import TARGET_HELP, load_target_tokenizer
 from maverick.tokenizer import encode_chat
 
 # prompt lookup's copy lengths: eval.bench's eagle3-tuned+lookup (the tuner's default lengths are its too)
@@ -138,11 +138,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ids = (
         encode_chat(tok, [{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
     )
-    target = (
-        load_target(args.target, dtype=dtype, q4=args.q4)
-        if shard is None
-        else load_model(shard, dtype, args.target)
-    )
+    target = load_model(shard, dtype, args.target, q4=args.q4)
     check_lengths([ids], args.max_new_tokens, target.config.max_position_embeddings, "--prompt")
     draft = load_draft(args.draft, dtype=dtype, device=str(target.device))
     check_draft_fits(draft.config, target.config, draft.source)

@@ -29,7 +29,6 @@ of an HF directory), every rank runs every forward and scores every draft, and r
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import hashlib
 import json
@@ -50,12 +49,11 @@ from eval.prompts import BENCHMARKS, answer_text, chat_ids, check_prompts_option
 from maverick.aot import cpu_name
 from maverick.cli import UserError, add_threads_option, output_file, positive_int, run_cli
 from maverick.files import atomic_write
-from maverick.parallel import init_from_env, load_model, rank0_says
+from maverick.parallel import init_from_env, load_model, rank0_prints, rank0_says
 from maverick.sampling import SamplingParams, add_sampling_options
 from maverick.target import (
     TARGET_HELP,
     default_target_path,
-    load_target,
     load_target_tokenizer,
     target_identity,
 )
@@ -113,16 +111,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     shard = init_from_env()  # torchrun: the target tensor + expert parallel over the ranks
-    if shard is not None and shard.rank != 0:  # rank 0 prints, shows progress and writes
-        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-            return _main(args, sampling, dtype, shard)
-    return _main(args, sampling, dtype, shard)
+    with rank0_prints(shard):  # rank 0 prints, shows progress and writes
+        return _main(args, sampling, dtype, shard)
 
 
 def _main(args, sampling: SamplingParams, dtype: torch.dtype, shard) -> dict[str, Any]:
     rank0 = shard is None or shard.rank == 0
     progress = functools.partial(tqdm, unit="answer", file=sys.stderr, leave=False, disable=not rank0)
-    model = load_target(args.target, dtype=dtype) if shard is None else load_model(shard, dtype, args.target)
+    model = load_model(shard, dtype, args.target)
     tok = load_target_tokenizer(args.tokenizer or args.target)
     # every draft is read and checked before any work
     drafts = {path: load_draft(path, dtype=dtype, device=str(model.device)) for path in args.draft}

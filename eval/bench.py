@@ -59,7 +59,6 @@ eagle3.tuner.RankAgreed), and rank 0 writes and reports:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import hashlib
 import json
@@ -106,7 +105,7 @@ from maverick.cli import (
 )
 from maverick.files import atomic_write
 from maverick.generate import Decoder
-from maverick.parallel import device_for, init_from_env, load_model
+from maverick.parallel import device_for, init_from_env, load_model, rank0_prints
 from maverick.sampling import SamplingParams, add_sampling_options
 from maverick.target import TARGET_HELP, load_hf_reference, load_target, load_target_tokenizer
 from maverick.tokenizer import default_gguf_path, encode_chat
@@ -473,10 +472,8 @@ def main(argv=None) -> int:
     ap.set_defaults(**PRESETS[ap.parse_known_args(argv)[0].preset])
     args = ap.parse_args(argv)
     shard = init_from_env()  # torchrun: the target tensor + expert parallel over the ranks
-    if shard is not None and shard.rank != 0:  # rank 0 prints, shows progress and writes
-        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-            return bench(args, shard)
-    return bench(args, shard)
+    with rank0_prints(shard):  # rank 0 prints, shows progress and writes
+        return bench(args, shard)
 
 
 def check_sharded_methods(args, methods: list[str]) -> None:
@@ -542,7 +539,7 @@ def bench(args, shard) -> int:
             flush=True,
         )
     check_prompt_lengths(args, tok, prompts)
-    target = load_target(gguf, dtype=dtype) if shard is None else load_model(shard, dtype, gguf)
+    target = load_model(shard, dtype, gguf)
     context = target.config.max_position_embeddings
     if args.max_prompt_tokens + args.max_new_tokens > context:
         raise UserError(

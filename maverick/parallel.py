@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import math
 import os
@@ -205,6 +206,16 @@ def rank0_value(value: int, shard: Shard | None) -> int:
     t = torch.tensor([int(value)], device=device_for(shard))
     dist.broadcast(t, src=0, group=shard.group)
     return int(t.item())
+
+
+@contextlib.contextmanager
+def rank0_prints(shard: Shard | None):
+    """A context in which only rank 0 writes to stdout (the other ranks' prints go to /dev/null)."""
+    if shard is None or shard.rank == 0:
+        yield
+        return
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        yield
 
 
 def rank0_says(flag: bool, shard: Shard | None) -> bool:
@@ -444,13 +455,15 @@ def load_model(
     dtype: torch.dtype,
     target: str | os.PathLike | None = None,
     q4: bool = False,
+    device: str = "cpu",
 ) -> Llama4:
-    """The model `maverick.generate` runs: `target` is an HF checkpoint directory (sharded: each rank reads
-    only its slices) or a GGUF file (every rank reads the small file, then keeps its slices), placed on
-    this rank's device. None: the default SmolLM2 GGUF."""
-    device = device_for(shard)
+    """The target a command runs, in one process (on `device`) or as this rank's part (`shard`, under
+    torchrun; on this rank's device): `target` is an HF checkpoint directory (sharded: each rank reads only
+    its slices) or a GGUF file (every rank reads the small file, then keeps its slices). None: the default
+    SmolLM2 GGUF."""
     if shard is None:
-        return load_target(target, dtype, str(device), q4=q4)
+        return load_target(target, dtype, device, q4=q4)
+    device = device_for(shard)
     if target is not None and Path(target).is_dir():
         return load_hf_sharded(target, shard, dtype, device)[0]
     return shard_model(load_target(target, dtype, q4=q4), shard).to(device)

@@ -101,6 +101,7 @@ def no_models(monkeypatch) -> None:
         raise AssertionError("a model was loaded")
 
     monkeypatch.setattr(bench, "load_target", refuse)
+    monkeypatch.setattr(bench, "load_model", refuse)
     monkeypatch.setattr(bench, "load_target_tokenizer", refuse)
 
 

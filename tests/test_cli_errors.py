@@ -205,6 +205,7 @@ def test_bench_refuses_an_unknown_method_before_loading_models(method, tmp_path,
         raise AssertionError("a model was loaded before the method names were checked")
 
     monkeypatch.setattr(bench, "load_target", no_load)
+    monkeypatch.setattr(bench, "load_model", no_load)
     monkeypatch.setattr(bench, "load_target_tokenizer", no_load)
     argv = ["--methods", f"ours-plain,{method}", "--n", "1", "--out", str(tmp_path / "r")]
     code, err = exit_status(bench.main, argv, capsys)
@@ -297,7 +298,7 @@ def test_regenerate_skips_and_records_empty_answers(target, tmp_path, monkeypatc
             return Generation(rows, [len(p) for p in prompts], 0.0, 0.0)
 
     monkeypatch.setattr(regen, "Decoder", EOSFirst)
-    monkeypatch.setattr(regen, "load_target", lambda *a, **kw: target)  # the answers are scripted above
+    monkeypatch.setattr(regen, "load_model", lambda *a, **kw: target)  # the answers are scripted above
     convs = [{"id": f"c{i}", "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "x"},
                                          {"role": "user", "content": "And then?"}]}
              for i, q in enumerate(["Say nothing.", "Say hi."])]  # fmt: skip

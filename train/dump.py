@@ -67,7 +67,7 @@ from maverick.cli import (
 )
 from maverick.files import atomic_path, atomic_write, remove_leftovers
 from maverick.model import Llama4
-from maverick.target import TARGET_DTYPES, TARGET_HELP, default_target_path, load_target, target_identity
+from maverick.target import TARGET_DTYPES, TARGET_HELP, default_target_path, target_identity
 from train.samples import add_data_args, chat_samples, draft_vocab_from
 
 log = logging.getLogger(__name__)
@@ -656,10 +656,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if rank0:
         print(json.dumps({"config": vars(args)}), flush=True)
     samples, train_split, data = chat_samples(args, tokenizer_path)
-    if shard is None:
-        model = load_target(target_path, TARGET_DTYPES[args.target_dtype], args.device)
-    else:  # each rank reads its slices of an HF directory (a GGUF: the whole file, then its slices)
-        model = load_model(shard, TARGET_DTYPES[args.target_dtype], target_path)
+    model = load_model(shard, TARGET_DTYPES[args.target_dtype], target_path, device=args.device)
     cfg = model.config
     layers = (
         tuple(args.feature_layers) if args.feature_layers else default_feature_layers(cfg.num_hidden_layers)

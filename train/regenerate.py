@@ -40,7 +40,7 @@ from maverick.cli import (
 from maverick.files import atomic_write
 from maverick.generate import Decoder
 from maverick.parallel import Shard, init_from_env, load_model, rank0_says
-from maverick.target import TARGET_HELP, load_target, load_target_tokenizer
+from maverick.target import TARGET_HELP, load_target_tokenizer
 from maverick.tokenizer import encode_chat
 from train.data import DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED, is_heldout, load_chats, load_sharegpt
 
@@ -99,9 +99,7 @@ def regenerate(
     parallel target (maverick/parallel.py, under torchrun): every rank decodes every batch (the gathered
     logits, so the same tokens), rank 0 writes, and rank 0's clock decides when to stop."""
     done = _read_done(out) | _read_done(skipped_path(out))  # before any model loads: a wrong --out stops here
-    model = (
-        load_target(target, dtype=dtype, device=device) if shard is None else load_model(shard, dtype, target)
-    )
+    model = load_model(shard, dtype, target, device=device)
     tok = load_target_tokenizer(tokenizer or target)
     eos = model.config.eos_ids
     writer = shard is None or shard.rank == 0
