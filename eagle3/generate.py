@@ -151,10 +151,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.engine == "compiled":
         secs = model.compile()
         print(json.dumps({"compile_s": round(sum(secs.values()), 1), "buckets": list(secs)}), flush=True)
-    if trees:
-        policy = DraftLengthTuner(tree_configs=trees) if len(trees) > 1 else None
-    else:
-        policy = FixedK(args.k) if args.k else DraftLengthTuner()
+    policy = None if trees else FixedK(args.k) if args.k else DraftLengthTuner()  # several trees: made there
     spec = SpecDecoder(
         model,
         draft,
