@@ -153,6 +153,24 @@ def test_grown_vocab_keeps_the_drafts_logits_and_starts_new_tokens_at_zero():
     assert all(torch.equal(a[k], b[k]) for k in a if k not in ("d2t", "t2d", "lm_head.weight"))
 
 
+def test_grown_vocab_matches_rows_by_target_id_when_the_map_is_unsorted():
+    """A draft from elsewhere may list its tokens in any order (d2t need only be one-to-one): the grown
+    draft gives each old target token the old draft's logit, whatever the order (it copied rows in draft-id
+    order before, so each row landed under another token)."""
+    src, *_ = make_batch()
+    perm = torch.randperm(128, generator=torch.Generator().manual_seed(5))
+    ids = src.draft_to_target_ids[perm]
+    assert not bool((ids[1:] > ids[:-1]).all())
+    with torch.no_grad():
+        src.lm_head.weight.copy_(src.lm_head.weight[perm])
+    src.set_vocab(ids - torch.arange(128), src.t2d)
+    grown = grow_vocab(src, torch.ones(512, dtype=torch.long), 200)
+    h = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(6))
+    before, after = src.logits(h), grown.logits(h)
+    col = {t: i for i, t in enumerate(grown.draft_to_target_ids.tolist())}
+    torch.testing.assert_close(after[..., [col[t] for t in ids.tolist()]], before, rtol=0, atol=1e-6)
+
+
 def test_collate_equals_target_draft_logits():
     draft, _, samples, head = make_batch()
     b = collate(samples, head[draft.draft_to_target_ids], draft.t2d)

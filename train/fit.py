@@ -572,15 +572,24 @@ def init_from_draft(
                  path, fresh, dropped)  # fmt: skip
     draft.load_state_dict({k: v for k, v in state.items() if k in mine}, strict=False)
     with torch.no_grad():
-        src_row = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)  # target id -> row of src
-        src_row[src.draft_to_target_ids.cpu()] = torch.arange(src.config.draft_vocab_size)
-        rows = src_row[draft.draft_to_target_ids.cpu()]  # [V'] row of src for each of our draft ids, or -1
-        shared = rows >= 0
-        draft.lm_head.weight[shared.to(dev)] = src.lm_head.weight[rows[shared]].to(draft.lm_head.weight)
+        shared = carry_head_rows(src, draft)
     log.info("%s: weights carried over; lm_head rows shared by both vocabularies: %d of %d",
                 path, int(shared.sum()), draft.config.draft_vocab_size)  # fmt: skip
     if features is not None and any(k.startswith("fc_norm.") for k in fresh):
         scale_fc_norms(draft, features())
+
+
+def carry_head_rows(src: Eagle3Draft, draft: Eagle3Draft) -> Tensor:
+    """Copy src's lm_head row of each target token that both drafts have into draft's row of that token,
+    matched by target id (a draft's ids need not be in target-id order). Returns [draft vocab] bool: the
+    rows copied; the others are left as they are."""
+    src_row = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)  # target id -> row of src
+    src_row[src.draft_to_target_ids.cpu()] = torch.arange(src.config.draft_vocab_size)
+    rows = src_row[draft.draft_to_target_ids.cpu()]  # [V'] row of src for each of our draft ids, or -1
+    shared = rows >= 0
+    w = draft.lm_head.weight
+    w[shared.to(w.device)] = src.lm_head.weight[rows[shared].to(src.lm_head.weight.device)].to(w)
+    return shared
 
 
 def grow_vocab(src: Eagle3Draft, counts: Tensor, draft_vocab_size: int) -> Eagle3Draft:
@@ -595,9 +604,8 @@ def grow_vocab(src: Eagle3Draft, counts: Tensor, draft_vocab_size: int) -> Eagle
     draft.load_state_dict(state, strict=False)
     draft.set_vocab(d2t, t2d)
     with torch.no_grad():
-        old = src.t2d.cpu()[draft.draft_to_target_ids.cpu()]  # [V'] which of our ids src has, in id order
         draft.lm_head.weight.zero_()
-        draft.lm_head.weight[old.to(draft.d2t.device)] = src.lm_head.weight
+        carry_head_rows(src, draft)
     log.info("draft vocabulary grown from %d to %d tokens (new lm_head rows at zero)",
              src.config.draft_vocab_size, draft_vocab_size)  # fmt: skip
     return draft
