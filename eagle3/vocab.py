@@ -7,13 +7,15 @@ SGLang convention, connect the vocabularies:
     d2t  LongTensor[V']  offsets:  target_id = draft_id + d2t[draft_id]
     t2d  BoolTensor[V]   t2d[target_id] is True iff the target token is in the draft vocab
 
-Draft ids are the kept target ids in increasing order, so draft_id = (number of kept ids below
-target_id), i.e. cumsum(t2d) - 1, and d2t is non-decreasing. Frequencies are counted over the
+The drafts made here number the kept target ids in increasing order, so draft_id = (number of kept ids
+below target_id), i.e. cumsum(t2d) - 1, and d2t is non-decreasing. A draft from elsewhere need only map
+one-to-one (`eagle3.draft.check_vocab_maps`, what `load_draft` checks): code that carries rows between
+drafts matches them by target id (train.fit.carry_head_rows). Frequencies are counted over the
 assistant tokens only (loss_mask == 1): those are what the draft must predict at inference; counting
 the prompt's tokens would spend draft vocab on system-prompt boilerplate.
 
 A map that is off by one does not crash anything; it silently collapses acceptance. Hence
-`validate_vocab_maps`, which every loader of these maps should call.
+`validate_vocab_maps` for the maps made here, and `check_vocab_maps` on every draft loaded.
 
 Shape legend: V target vocab, V' draft vocab, N any number of ids.
 """
@@ -132,8 +134,9 @@ def draft_ids_to_target(ids: Tensor, d2t: Tensor) -> Tensor:
 
 
 def target_ids_to_draft(ids: Tensor, t2d: Tensor) -> tuple[Tensor, Tensor]:
-    """(draft_ids, in_vocab) for target ids of any shape; ids outside the draft vocab get IGNORE_INDEX
-    (-100) and in_vocab False, so using them as cross-entropy labels ignores them."""
+    """(draft_ids, in_vocab) for target ids of any shape, in this module's increasing order (t2d alone
+    cannot tell another); ids outside the draft vocab get IGNORE_INDEX (-100) and in_vocab False, so using
+    them as cross-entropy labels ignores them."""
     ids = torch.as_tensor(ids, dtype=torch.long, device=t2d.device)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= t2d.numel()):
         raise ValueError(
