@@ -49,9 +49,10 @@ from eagle3.sampling import (
     verify_tree_sampling,
 )
 from eagle3.tuner import DraftLengthTuner, FixedK, RankAgreed
+from maverick.cli import UserError
 from maverick.compiled import for_engine
 from maverick.generate import Generation, check_lengths, decode_window, prefill
-from maverick.model import Llama4
+from maverick.model import EXACT_ATTENTION_MAX_T, Llama4
 from maverick.sampling import SamplingParams, logits_to_probs, sample
 
 
@@ -179,15 +180,31 @@ class SpecDecoder:
         self.d2t_ids = draft.draft_to_target_ids  # [V'] draft id -> target id
         rows = getattr(target, "rows", None)  # a compiled engine: every verify must fit its largest bucket
         pol = self.policy
-        k_max = max(getattr(pol, "choices", None) or [getattr(pol, "k_max", getattr(pol, "k", 8))])
-        if tree is not None:  # a tree's cycles verify its nodes, not the policy's chains
-            k_max = tree.total_tokens
-        if lookup is not None:
-            k_max = max(k_max, lookup.max_tokens, lookup.streak_tokens)
-        if rows is not None and k_max + 1 > rows[-1]:
-            raise ValueError(
-                f"drafts of up to {k_max} tokens: the compiled engine verifies up to {rows[-1] - 1}"
+        # the longest draft a cycle verifies, and the setting it comes from (a datastore's copies are cut to
+        # prompt lookup's copy length)
+        longest = {
+            "the draft length": max(
+                getattr(pol, "choices", None) or [getattr(pol, "k_max", getattr(pol, "k", 8))]
             )
+        }
+        if tree is not None:  # a tree's cycles verify its nodes, not the policy's chains
+            longest = {"the tree's total_tokens": tree.total_tokens}
+        if lookup is not None:
+            longest |= {
+                "prompt lookup's max_tokens": lookup.max_tokens,
+                "prompt lookup's streak_tokens": lookup.streak_tokens,
+            }
+        what, k_max = max(longest.items(), key=lambda kv: kv[1])
+        if rows is not None and k_max + 1 > rows[-1]:
+            raise UserError(
+                f"{what} {k_max}: the compiled engine verifies drafts of up to {rows[-1] - 1} tokens"
+            )
+        if k_max + 1 > EXACT_ATTENTION_MAX_T:  # longer calls attend by another kernel: other bits
+            raise UserError(
+                f"{what} {k_max}: a verify keeps plain decoding's bits for drafts of up to "
+                f"{EXACT_ATTENTION_MAX_T - 1} tokens (maverick.model.EXACT_ATTENTION_MAX_T)"
+            )
+        self.k_max = k_max  # the most tokens a cycle verifies, the last committed one aside
         cuda = next(draft.parameters()).is_cuda
         # on CPU the draft's cache calls (chain steps and catch-ups) run as one compiled graph, a tree's masked
         # expansion eagerly on the slots in use; on CUDA (where a draft step is launch-bound: CUDA graphs) the
@@ -261,7 +278,7 @@ class SpecDecoder:
         greedy = sampling is None or sampling.greedy
         if self.tcache.batch_size != B:
             self._caches(B)
-        if max(len(p) for p in prompts) + max_new_tokens + self._max_draft() + 2 > self.max_len:
+        if max(len(p) for p in prompts) + max_new_tokens + max(self.k_max + 1, 8) + 2 > self.max_len:
             raise ValueError(f"prompt + {max_new_tokens} new tokens exceed max_len={self.max_len}")
         dev = self.target.device
         stats = SpecStats()
@@ -298,13 +315,12 @@ class SpecDecoder:
             # per row: the copied tokens, None (no match: the EAGLE-3 draft drafts) or [] (finished)
             proposals = None
             if index is not None:
-                proposals = [
-                    [] if done[b] else (index[b].propose(self._copy_len(streak[b])) or None) for b in range(B)
-                ]
+                copy_len = [0 if done[b] else self._copy_len(streak[b]) for b in range(B)]
+                proposals = [[] if done[b] else (index[b].propose(copy_len[b]) or None) for b in range(B)]
                 if self.datastore is not None:
                     stored = [b for b in range(B) if proposals[b] is None]
                     for b in stored:
-                        proposals[b] = self.datastore.propose(index[b].tokens) or None
+                        proposals[b] = self.datastore.propose(index[b].tokens, copy_len[b]) or None
                     stats.store_rows.append(sum(proposals[b] is not None for b in stored))
             if self.tree is not None and (proposals is None or proposals[0] is None):
                 emitted, h, last = self._tree_cycle(h, last, sampling, generator, stats)
@@ -350,13 +366,6 @@ class SpecDecoder:
         rows = getattr(self.target, "rows", None)
         lengths = range(1, cap + 1) if rows is None else [r - 1 for r in rows if 1 <= r - 1 < cap] + [cap]
         return self.policy.choose_copy(lengths, streak)
-
-    def _max_draft(self) -> int:
-        if self.tree is not None:
-            copy = self.lookup.streak_tokens if self.lookup is not None else 0
-            return max(self.tree.total_tokens + 1, copy)
-        k = max(getattr(self.policy, "choices", [getattr(self.policy, "k", 8)]) + [8])
-        return max(k, self.lookup.streak_tokens) if self.lookup is not None else k
 
     def _chain_cycle(self, h, last, sampling, generator, stats, proposals=None, frozen=None):
         """One chain cycle. proposals (prompt lookup): per row a list of copied draft tokens, [] for no

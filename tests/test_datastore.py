@@ -8,6 +8,7 @@ import random
 from collections import Counter
 
 import pytest
+import torch
 
 from eagle3.datastore import Datastore
 from eagle3.lookup import LookupConfig
@@ -140,6 +141,34 @@ def test_decoding_with_a_datastore_is_lossless(target, policy):
     dec = SpecDecoder(target, make_draft(target), max_len=160, policy=policy(), lookup=LookupConfig(),
                       datastore=store)  # fmt: skip
     assert dec.generate(ps, 40).tokens == refs
+
+
+def test_datastore_copies_are_cut_to_the_copy_length(monkeypatch):
+    """A store whose proposals may run to 70 tokens: each copy drafts at most prompt lookup's copy length
+    (here 4), so a verify never passes the rows that keep plain decoding's bits (EXACT_ATTENTION_MAX_T = 64;
+    bf16). Before, its copies ran to 70 tokens and the output left plain decoding's at 5 of 6 prompts."""
+    import eagle3.spec as spec_mod
+    from tests.test_spec import prompts
+
+    t = make_target().to(torch.bfloat16)
+    draft = make_draft(t).to(torch.bfloat16)
+    verified = []
+    verify = spec_mod.verify_chain_greedy
+
+    def spy(draft_tokens, logits, lengths=None):
+        verified.append(draft_tokens.shape[1])
+        return verify(draft_tokens, logits, lengths)
+
+    monkeypatch.setattr(spec_mod, "verify_chain_greedy", spy)
+    for seed in range(3):
+        p = prompts(1, seed=seed)[0]
+        ref = Decoder(t, max_len=256).generate([p], 100).tokens[0]
+        dec = SpecDecoder(t, draft, max_len=256, lookup=LookupConfig(max_tokens=4, streak_tokens=4),
+                          datastore=Datastore([p + ref], max_tokens=70))  # fmt: skip
+        verified.clear()
+        got = dec.generate([p], 100)
+        assert got.tokens[0] == ref
+        assert sum(got.stats["spec"].store_rows) > 0 and max(verified) == 4
 
 
 def test_datastore_needs_lookup(target):

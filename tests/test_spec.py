@@ -145,6 +145,39 @@ def test_several_trees_need_a_policy_that_picks_among_them(target):
         )
 
 
+def test_drafts_past_the_exact_attention_rows_are_refused(target):
+    """A verify of more than EXACT_ATTENTION_MAX_T (64) tokens attends by another kernel and loses plain
+    decoding's bits (seen in bf16: a 65-token verify changed every row, 4 of 6 outputs of tree 4,8,64
+    differed): the setting that asks for one is named, up front."""
+    from eagle3.lookup import LookupConfig
+    from maverick.cli import UserError
+    from maverick.model import EXACT_ATTENTION_MAX_T
+
+    assert EXACT_ATTENTION_MAX_T == 64
+    d = make_draft(target)
+    with pytest.raises(UserError, match="the tree's total_tokens 64: a verify keeps"):
+        SpecDecoder(target, d, max_len=256, tree=TreeConfig(4, 8, 64))
+    with pytest.raises(UserError, match="prompt lookup's streak_tokens 64"):
+        SpecDecoder(target, d, max_len=256, lookup=LookupConfig(streak_tokens=64))
+    with pytest.raises(UserError, match="the draft length 70"):
+        SpecDecoder(target, d, max_len=256, policy=HeuristicK(k_init=2, k_max=70))
+    assert SpecDecoder(target, d, max_len=256, tree=TreeConfig(4, 8, 63)).k_max == 63
+
+
+def test_max_len_is_checked_against_the_longest_draft_not_the_first(target):
+    """HeuristicK starts at k_init and grows to k_max: a request is sized by k_max up front, not refused
+    by a KV cache overflow half-way (seen: k_init 1, k_max 16, an oracle draft, overflow at 136 of 131 slots)."""
+    p = prompts(1)[0]
+    ref = Decoder(target, max_len=256).generate([p], 108).tokens[0]
+    draft = make_draft(target, cls=OracleDraft, seq=p + ref)
+    tight = SpecDecoder(target, draft, max_len=len(p) + 108 + 8 + 2, policy=HeuristicK(k_init=1, k_max=16))
+    with pytest.raises(ValueError, match="exceed max_len"):
+        tight.generate([p], 108)
+    roomy = SpecDecoder(target, draft, max_len=len(p) + 108 + 17 + 2, policy=HeuristicK(k_init=1, k_max=16))
+    got = roomy.generate([p], 108)
+    assert got.tokens[0] == ref and max(r["k"] for r in roomy.policy.log) == 16
+
+
 def test_batched_chain_per_row_lengths(target):
     """Rows with different prompt lengths and different accepted lengths per cycle."""
     ps = prompts(3)
