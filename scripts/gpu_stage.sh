@@ -37,7 +37,7 @@ pack() {
   gguf=$("$py" -c 'from maverick.gguf_loader import default_gguf_path; print(default_gguf_path())')
   data=.stage/data.jsonl.xz
   if [ ! -s "$data" ]; then
-    "$py" -m train.stage_data --out "$data" --answered "$INIT_DRAFT/regen_h200.jsonl.xz"
+    "$py" -m train.stage_data --out "$data" --answered "$INIT_DRAFT/regen_h200.jsonl.xz" --answered-cut-tokens 320
   fi
   local ver
   ver=$("$py" -c 'import importlib.metadata as m; print(m.version("gguf"))')

@@ -8,6 +8,7 @@ import torch
 from maverick.generate import Decoder
 from maverick.gguf_model import load_gguf_model
 from maverick.tokenizer import encode_chat, load_tokenizer
+from train.data import load_chats
 from train.regenerate import regenerate
 
 CONVS = [
@@ -44,3 +45,7 @@ def test_regenerate_answers_resumes_and_stops_on_time(tmp_path):
         assert user == c["messages"][0] and answer["role"] == "assistant"
         ids = dec.generate([encode_chat(tok, [user])], 6, stop_ids=model.config.eos_ids).tokens[0]
         assert answer["content"] == tok.decode(ids, skip_special_tokens=True)
+        # an answer cut at the budget says so (train.stage_data neither closes nor continues it)
+        assert answer.get("cut", False) is (ids[-1] not in model.config.eos_ids)
+    assert sum(m.get("cut", False) for _, m in got.values()) >= 2  # 6 tokens cut most answers
+    assert [c["messages"] for c in load_chats(out)] == [r["messages"] for r in records(out)]

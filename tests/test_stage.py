@@ -134,6 +134,36 @@ def test_stage_data_segments_rebuild_the_rendered_chat():
     assert prompts_only["prompts"] == rec["prompts"] and "answers" not in prompts_only
 
 
+def test_stage_data_neither_closes_nor_continues_a_cut_answer():
+    """An answer the target stopped at its token budget gets no end-of-turn token, and the chat's later turns
+    are not continued after it: marked by train.regenerate, or (older files) within CUT_MARGIN of the budget
+    given. Before, 3,607 stage-6 chats would have been continued after an answer cut mid-sentence."""
+    from maverick.tokenizer import load_tokenizer
+    from train.stage_data import CUT_MARGIN, conversation_record
+
+    tok = load_tokenizer()
+    eos = tok.eos_token_id
+    msgs = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I"},
+            {"role": "user", "content": "Name a prime."}, {"role": "assistant", "content": "7"},
+            {"role": "user", "content": "Another?"}]  # fmt: skip
+    whole = conversation_record(tok, {"id": "x", "messages": msgs}, with_answers=True)
+    assert [a[-1] for a in whole["answers"]] == [eos, eos] and len(whole["more"]) == 1
+    cut = [dict(m) for m in msgs]
+    cut[1]["cut"] = True
+    rec = conversation_record(tok, {"id": "x", "messages": cut}, with_answers=True)
+    assert rec["answers"] == [whole["answers"][0][:-1]] and "more" not in rec
+    assert rec["prompts"] == whole["prompts"][:1]
+    n = len(whole["answers"][0]) - 1  # "Hello! How can I" in tokens
+    by_length = conversation_record(
+        tok, {"id": "x", "messages": msgs}, with_answers=True, cut_tokens=n + CUT_MARGIN
+    )
+    assert by_length == rec
+    longer = conversation_record(
+        tok, {"id": "x", "messages": msgs}, with_answers=True, cut_tokens=n + CUT_MARGIN + 1
+    )
+    assert longer == whole
+
+
 def test_stage_continues_answered_chats_after_their_answers(tmp_path):
     torch.set_num_threads(1)
     target, data = make_data(tmp_path)

@@ -113,6 +113,8 @@ def normalise_chat(record: Any) -> tuple[dict[str, Any], int]:
         if not text.strip():
             raise MalformedChat("empty-text", f"turn {i} ({role}) has empty text")
         messages.append({"role": role, "content": text})
+        if role == "assistant" and turn.get("cut") is True:  # train.regenerate: cut at its max_new_tokens
+            messages[-1]["cut"] = True
     first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
     if first_user is None:
         raise MalformedChat("no-user-turn", "no user turn")

