@@ -36,8 +36,11 @@ pack() {
   local gguf data
   gguf=$("$py" -c 'from maverick.gguf_loader import default_gguf_path; print(default_gguf_path())')
   data=.stage/data.jsonl.xz
-  if [ ! -s "$data" ]; then
-    "$py" -m train.stage_data --out "$data" --answered "$INIT_DRAFT/regen_h200.jsonl.xz" --answered-cut-tokens 320
+  if [ ! -s "$data" ] || [ -n "${ANSWERS:-}" ]; then  # ANSWERS: earlier stages' answers.jsonl.xz, folded in
+    local extra=() f
+    for f in ${ANSWERS:-}; do extra+=(--answers "$f"); done
+    "$py" -m train.stage_data --out "$data" --answered "$INIT_DRAFT/regen_h200.jsonl.xz" --answered-cut-tokens 320 \
+      "${extra[@]}"
   fi
   local ver
   ver=$("$py" -c 'import importlib.metadata as m; print(m.version("gguf"))')

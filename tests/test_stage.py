@@ -54,7 +54,7 @@ def check_scored_against_init(sc):
     assert d["tau_ci95"][0] <= d["tau"] <= d["tau_ci95"][1]
 
 
-def test_stage_runs_resumes_and_chains(tmp_path):
+def test_stage_runs_resumes_and_chains(tmp_path, capsys):
     torch.set_num_threads(1)
     target, data = make_data(tmp_path)
     out = tmp_path / "s1"
@@ -98,6 +98,29 @@ def test_stage_runs_resumes_and_chains(tmp_path):
         out / "draft"
     )
     check_scored_against_init(s["phases"]["score"])
+    capsys.readouterr()
+
+    # a third stage from the second: the first's answers are neither in --data nor beside its init, and the
+    # stage says so (it would answer those chats again)
+    s = run(
+        target,
+        data,
+        tmp_path / "s3",
+        "--init-draft",
+        str(out2),
+        "--max-conversations",
+        "2",
+        "--stop-after",
+        "regen",
+    )
+    assert "warning: the --init-draft trained on 7 more answered conversations" in capsys.readouterr().out
+    # the first stage's answers given as data (train.stage_data --answers folds them into one file): no word,
+    # and none of the first stage's chats answered again
+    s = run(target, data, tmp_path / "s4", "--data", str(out / ANSWERS), "--init-draft", str(out2),
+            "--max-conversations", "2", "--stop-after", "regen")  # fmt: skip
+    assert "warning" not in capsys.readouterr().out
+    again = answers.read_records(tmp_path / "s4" / ANSWERS)
+    assert len(again) == 2 and not {r["id"] for r in again} & {r["id"] for r in first + new}
 
 
 def test_stage_errors_name_the_path(tmp_path, capsys):
@@ -162,6 +185,32 @@ def test_stage_data_neither_closes_nor_continues_a_cut_answer():
         tok, {"id": "x", "messages": msgs}, with_answers=True, cut_tokens=n + CUT_MARGIN + 1
     )
     assert longer == whole
+
+
+def test_stage_data_folds_in_a_stages_answers(tmp_path):
+    """--answers: a stage's id records join the data (replacing the chat's unanswered record), so a later
+    stage trains on them and does not answer them again; a held-out chat's answers are refused."""
+    from maverick.cli import UserError
+    from train.data import DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED, is_heldout
+    from train.stage_data import main as stage_data
+
+    ids = [f"c{i}" for i in range(40)]
+    train = [c for c in ids if not is_heldout(c, DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED)][:3]
+    held = next(c for c in ids if is_heldout(c, DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED))
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"id": c, "messages": [{"role": "user", "content": f"Say {c}."}]}) + "\n"
+                             for c in train))  # fmt: skip
+    stage_answers = tmp_path / "answers.jsonl.xz"
+    answers.write(stage_answers, [{"id": train[0], "prompts": [[1, 2, 3]], "answers": [[4, 5, 2]]}])
+    out = tmp_path / "data.jsonl.xz"
+    summary = stage_data(["--out", str(out), "--chats", str(chats), "--answers", str(stage_answers)])
+    recs = {r["id"]: r for r in answers.read_records(out)}
+    assert sorted(recs) == sorted(train) and summary["answered"] == 1
+    assert recs[train[0]] == {"id": train[0], "prompts": [[1, 2, 3]], "answers": [[4, 5, 2]]}
+    assert "answers" not in recs[train[1]]
+    answers.write(stage_answers, [{"id": held, "prompts": [[1]], "answers": [[2]]}])
+    with pytest.raises(UserError, match=f"{held}: an answered conversation of the held-out split"):
+        stage_data(["--out", str(out), "--chats", str(chats), "--answers", str(stage_answers)])
 
 
 def test_stage_continues_answered_chats_after_their_answers(tmp_path):

