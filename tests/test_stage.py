@@ -224,6 +224,35 @@ def test_stage_continues_answered_chats_after_their_answers(tmp_path):
     assert got["old1"]["answers"][0] == old1["answers"][0] and len(got["old1"]["answers"]) == 2
 
 
+def test_a_failed_regeneration_keeps_every_finished_conversation(tmp_path, monkeypatch):
+    """Regeneration that fails (or is stopped by Ctrl-C) after 3 conversations, before its first flush: the
+    3 are written, and the stage trains on them."""
+    import train.stage as stage
+
+    torch.set_num_threads(1)
+    target, data = make_data(tmp_path)
+    real = stage.FastGenerator.run
+
+    def failing(self, convs, on_done, **kw):
+        n = []
+
+        def done(ans):
+            on_done(ans)
+            n.append(1)
+            if len(n) == 3:
+                raise RuntimeError("CUDA out of memory")
+
+        return real(self, convs, done, **kw)
+
+    monkeypatch.setattr(stage.FastGenerator, "run", failing)
+    s = run(target, data, tmp_path / "o", "--stop-after", "train")
+    assert "out of memory" in s["phases"]["regen"]["error"]
+    kept = answers.read_records(tmp_path / "o" / ANSWERS)
+    assert len(kept) == 3 and s["phases"]["train"]["samples"] == len(
+        {r["id"] for r in kept} | {"old0", "old1"}
+    )
+
+
 def kill_training_at(n: int, monkeypatch):
     """The stage's n-th training step raises ("killed"); returns a function that undoes it."""
     import train.stage as stage

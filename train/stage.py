@@ -224,12 +224,15 @@ class Stage:
         )
         convs = (Conversation(r["id"], _continued(r) if r["id"] in cont else r["prompts"]) for r in todo)
         prof = StepProfiler(PROFILE_SKIP, a.profile_steps, self.device)
-        stats = gen.run(convs, on_done, deadline=deadline, stop=stop, on_step=prof.step)
+        try:
+            stats = gen.run(convs, on_done, deadline=deadline, stop=stop, on_step=prof.step)
+        finally:  # a failure or Ctrl-C (the device script's hang guard) keeps every finished conversation
+            if pending:
+                flush()
+            writer.shutdown(wait=True)
         profiled = prof.summary()
         if a.profile_steps:
             print(describe_profile("regeneration", profiled, "decode step"), flush=True)
-        flush()
-        writer.shutdown(wait=True)
         for w in writes:
             w.result()  # a failed write is an error, not a silent loss
         self.here = here + new  # the file's records now: the training need not decompress it again
