@@ -320,8 +320,15 @@ def answers_path(
 ) -> Path:
     """Where the target's answers to `prompts` are kept: named by a digest of all they depend on (the
     batched bf16 kernels' choices included: torch, the CPU, the thread count, ANSWERS_VERSION; for sampled
-    answers the rule and the seed; the ranks of a tensor parallel target)."""
-    ident = target_identity(target) | {"mtime_ns": Path(target).expanduser().resolve().stat().st_mtime_ns}
+    answers the rule and the seed; the ranks of a tensor parallel target; an HF directory's weight and JSON
+    files, each by size and mtime)."""
+    p = Path(target).expanduser().resolve()
+    ident = target_identity(target)
+    if p.is_dir():  # a file rewritten in place changes its own mtime, not its directory's
+        ident["files"] = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(p.iterdir())
+                          if f.is_file() and f.suffix in (".safetensors", ".json")]  # fmt: skip
+    else:
+        ident["mtime_ns"] = p.stat().st_mtime_ns
     key = [
         ident, dtype, max_new_tokens, prompts, torch.__version__, cpu_name(), torch.get_num_threads(),
         ANSWERS_VERSION,

@@ -168,6 +168,30 @@ def test_cli_keeps_the_targets_answers_and_reads_them_back(tmp_path, monkeypatch
     assert acceptance.main([*hot, "--seed", "1"])["answers_cached"] is None and len(generated) == 6
 
 
+def test_kept_answers_are_keyed_by_an_hf_directorys_files(tmp_path):
+    """Weights rewritten in place (the same size: a fine-tune saved over the old one) change a file's mtime
+    but not its directory's: the kept answers of the old weights are not read for the new ones. A GGUF file
+    is keyed by its own mtime."""
+    import os
+
+    from eval.acceptance import answers_path
+
+    d = tmp_path / "target"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    (d / "model.safetensors").write_bytes(b"A" * 1000)
+    before = answers_path(d, "bf16", 128, [[1, 2, 3]])
+    assert answers_path(d, "bf16", 128, [[1, 2, 3]]) == before
+    with open(d / "model.safetensors", "r+b") as f:
+        f.write(b"B" * 1000)
+    st = (d / "model.safetensors").stat()
+    os.utime(d / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert answers_path(d, "bf16", 128, [[1, 2, 3]]) != before
+    later = answers_path(d, "bf16", 128, [[1, 2, 3]])
+    (d / "README.md").write_text("notes")  # not the target's: its answers stay
+    assert answers_path(d, "bf16", 128, [[1, 2, 3]]) == later
+
+
 def test_cli_scores_second_turns_after_the_targets_own_first_answers(tmp_path, monkeypatch):
     """--turns 2: each second turn is asked after the target's first answer (its text in the chat, as
     eval.bench asks it); both turns pooled, and each on its own."""
