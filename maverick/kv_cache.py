@@ -156,13 +156,14 @@ class KVCache(nn.Module):
         """Keep accepted tree nodes: slot start+keep_idx[b, j] -> start+j for j < n_keep[b].
 
         keep_idx [B, A] holds node offsets relative to `start` (nodes were written at start + node);
-        entries at j >= n_keep[b] are ignored (they are copied onto slots past the new length).
+        entries at j >= n_keep[b] are ignored, whatever they hold (slot start+j, past the new length, is
+        copied onto itself: every write lands on its own slot).
         """
         B, A = keep_idx.shape
         rows = torch.arange(B, device=keep_idx.device)[:, None]
-        src = start[:, None] + keep_idx  # [B, A]
-        dst = start[:, None] + torch.arange(A, device=keep_idx.device)
-        dst = torch.where(torch.arange(A, device=keep_idx.device) < n_keep[:, None], dst, src)
+        j = torch.arange(A, device=keep_idx.device)
+        dst = start[:, None] + j  # [B, A]
+        src = torch.where(j < n_keep[:, None], start[:, None] + keep_idx, dst)
         for buf in (self.k, self.v):
             picked = buf[:, rows, :, src].clone()  # [B, A, layers, Hkv, D] (advanced dims first)
             buf[:, rows, :, dst] = picked

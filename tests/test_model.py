@@ -234,6 +234,21 @@ def test_greedy_generation_equals_hf(pair):
     assert ours == ref[0, 9:].tolist()
 
 
+@pytest.mark.parametrize("pad", [0, 1, 3])
+def test_compact_ignores_padding_entries_whatever_they_hold(pad):
+    """A batch of trees: row 1 keeps 2 nodes and pads its keep list. Before, a padding entry p < n_keep was
+    written onto slot start + p, over the node compacted there (pad 1: slot 5 kept stale node 1)."""
+    from maverick.kv_cache import KVCache
+
+    c = KVCache(1, 2, 16, 1, 1)
+    c.k[0, :, 0, :, 0] = torch.arange(16.0)  # slot s holds s
+    c.lengths.fill_(10)
+    c.bound = 10
+    c.compact(torch.tensor([4, 4]), torch.tensor([[0, 2, 5], [0, 3, pad]]), torch.tensor([3, 2]))
+    assert c.k[0, 0, 0, 4:7, 0].tolist() == [4, 6, 9] and c.k[0, 1, 0, 4:6, 0].tolist() == [4, 7]
+    assert c.lengths.tolist() == [7, 6]
+
+
 def test_tree_write_and_compact(pair):
     """Tree nodes written with an ancestor mask then compacted equal the chain of the accepted path."""
     _, m, cfg = pair
