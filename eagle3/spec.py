@@ -450,6 +450,9 @@ class SpecDecoder:
         drafted = [a for a, u, v in zip(acc_l, use_draft, live) if u and v]
         if drafted:
             self.policy.record_acceptance(k, drafted if len(drafted) > 1 else drafted[0])
+        copied_tokens = sum(a + 1 for a, u, v in zip(acc_l, use_draft, live) if v and not u)
+        if copied_tokens and hasattr(self.policy, "record_cycle"):  # the realised rate counts them too
+            self.policy.record_cycle(copied_tokens, 0.0 if any(use_draft) else (t1 - t0) + (t3 - t2))
         stats.cycles += 1
         stats.accepted.append(acc_l[0])
         stats.accepted_rows.append([a for a, v in zip(acc_l, live) if v])
@@ -599,6 +602,8 @@ class SpecDecoder:
         emitted = [tree_tokens[path].tolist() + [int(y)]]
         if self._pick_tree:
             self.policy.record_tree(cfg, a + 1, t3 - t0)
+        elif hasattr(self.policy, "record_cycle"):
+            self.policy.record_cycle(a + 1, t3 - t0)
         stats.cycles += 1
         stats.accepted.append(a)
         stats.accepted_rows.append([a])

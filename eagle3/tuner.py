@@ -215,6 +215,13 @@ class _Policy:
     def record_verify(self, n_tokens: int, seconds: float) -> None:
         self.seconds += seconds
 
+    def record_cycle(self, n_tokens: int, seconds: float) -> None:
+        """Tokens and seconds the policy's models do not learn from but its realised rate counts: rows of
+        copied drafts (prompt lookup, datastore; their time outside the verify when no row drafted), and
+        the cycles of a fixed tree."""
+        self.tokens += n_tokens
+        self.seconds += seconds
+
     def record_acceptance(self, k: int, n_accepted: int | Sequence[int] | torch.Tensor) -> None:
         counts = _as_counts(n_accepted)
         bad = [n for n in counts if not 0 <= n <= k]
@@ -326,6 +333,8 @@ class DraftLengthTuner(_Policy):
             raise ValueError("DraftLengthTuner: prior_weight must be > 0 and alpha_ema, tree_ema in (0, 1]")
         if probe_every < 2:
             raise ValueError(f"DraftLengthTuner.probe_every must be >= 2, got {probe_every}")
+        if tree_min_trials < 1:  # the best tree is picked among measured ones: each must be tried
+            raise ValueError(f"DraftLengthTuner.tree_min_trials must be >= 1, got {tree_min_trials}")
         self.k_init = self.choices[-1] if k_init is None else k_init
         if self.k_init not in self.choices:
             raise ValueError(f"DraftLengthTuner.k_init={self.k_init} is not one of choices {self.choices}")

@@ -226,6 +226,8 @@ def test_tuner_rejects_bad_settings():
         DraftLengthTuner([])
     with pytest.raises(ValueError, match="no tree_configs"):
         DraftLengthTuner().choose_tree()
+    with pytest.raises(ValueError, match="tree_min_trials must be >= 1"):  # it picked among unmeasured trees
+        DraftLengthTuner(tree_configs=["a", "b"], tree_min_trials=0)
 
 
 # ----------------------------------------------------------------------------------------------
