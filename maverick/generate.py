@@ -124,15 +124,15 @@ class Decoder:
         engine="compiled": every step on the compiled engine (maverick/compiled.py; `model` may already be
         one, shared with speculative decoders)."""
         self.model = model = for_engine(model, engine, max_len)
-        self.exact = exact
+        self.exact, self.compiled_step = exact, compile
         self.cache = self._new_cache(batch_size, max_len)
-        self.step = self._step
-        if compile:
-            self.cache.slice_to_bound = False  # fixed shapes: attend over the whole preallocated cache
-            self.step = torch.compile(self._step, dynamic=False)
+        self.step = torch.compile(self._step, dynamic=False) if compile else self._step
 
     def _new_cache(self, batch_size: int, max_len: int) -> KVCache:
-        return self.model.new_cache(batch_size, max_len, exact=self.exact)
+        cache = self.model.new_cache(batch_size, max_len, exact=self.exact)
+        if self.compiled_step:  # fixed shapes: attend over the whole preallocated cache, every cache alike
+            cache.slice_to_bound = False
+        return cache
 
     def _step(self, tokens: Tensor) -> Tensor:
         return self.model(tokens[:, None], cache=self.cache, logits="all").logits[:, -1]

@@ -249,6 +249,28 @@ def test_compact_ignores_padding_entries_whatever_they_hold(pad):
     assert c.lengths.tolist() == [7, 6]
 
 
+def test_compiled_decoder_keeps_fixed_shapes_in_every_cache(monkeypatch):
+    """Decoder(compile=True) attends over the whole preallocated cache (no Python-bound slicing that would
+    recompile the step at every length): the caches it makes for a new batch size or after dropping
+    finished rows too (before, only its first). torch.compile is left out here: the shapes are the point."""
+    import maverick.generate as generate
+
+    monkeypatch.setattr(generate.torch, "compile", lambda f, **kw: f)
+    m = Llama4(get_config("tiny-dense"))
+    m.init_weights(std=0.1, generator=torch.Generator().manual_seed(0))
+    dec = Decoder(m.eval(), max_len=64, compile=True)
+    seen = []
+    real = dec.model.forward
+
+    def spy(*a, cache=None, **kw):
+        seen.append(cache.slice_to_bound)
+        return real(*a, cache=cache, **kw)
+
+    monkeypatch.setattr(dec.model, "forward", spy)
+    got = dec.generate([[5, 6, 7], [8, 9]], 6, stop_ids=[], drop_finished=True)
+    assert len(got.tokens) == 2 and seen and not any(seen) and dec.cache.slice_to_bound is False
+
+
 def test_tree_write_and_compact(pair):
     """Tree nodes written with an ancestor mask then compacted equal the chain of the accepted path."""
     _, m, cfg = pair
