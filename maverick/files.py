@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+
+LEFTOVER = re.compile(r"\.tmp-\d+-[0-9a-f]{8}")  # atomic_path's and atomic_dir's temporary names
 
 
 @contextlib.contextmanager
@@ -30,8 +33,17 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_dir(path.parent)  # the rename itself
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -44,14 +56,22 @@ def atomic_dir(path: str | os.PathLike, tmp_prefix: str | None = None) -> Iterat
     # not mkdtemp: its folder is private (0700), and a draft or checkpoint is for others to read too
     tmp = path.with_name(f"{tmp_prefix or path.name + '.tmp-'}{os.getpid()}-{secrets.token_hex(4)}")
     tmp.mkdir()
+    old = tmp.with_name(tmp.name + "-old")
     try:
         yield tmp
-        if path.exists():
-            shutil.rmtree(path)
+        for d, _, files in os.walk(tmp):  # every file, then every folder, on disk before the rename
+            for name in files:
+                with open(Path(d) / name, "rb+") as f:
+                    os.fsync(f.fileno())
+            _fsync_dir(Path(d))
+        if path.exists():  # moved aside, not deleted first: a crash in between leaves the old one whole
+            os.replace(path, old)
         os.replace(tmp, path)
+        _fsync_dir(path.parent)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        for p in (tmp, old):
+            if p.exists():
+                shutil.rmtree(p)
 
 
 def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
@@ -62,9 +82,17 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
 
 
 def remove_leftovers(directory: str | os.PathLike) -> list[Path]:
-    """Delete the `<name>.tmp-*` files and folders a killed write left in `directory` (not below it): they are
-    never whole. Returns what was deleted."""
-    gone = sorted(Path(directory).glob("*.tmp-*"))
+    """Delete the `<name>.tmp-<pid>-<8 hex digits>` files and folders a killed write left in `directory` (not
+    below it): they are never whole. A user's own `notes.tmp-2024.txt` is not one; a folder `atomic_dir` had
+    moved aside whose new one never took its place is put back. Returns what was deleted."""
+    gone = sorted(p for p in Path(directory).glob("*.tmp-*") if LEFTOVER.search(p.name))
+    for p in list(gone):
+        real = p.with_name(p.name[: p.name.index(".tmp-")])
+        if (
+            p.name.endswith("-old") and p.is_dir() and not real.exists()
+        ):  # killed between atomic_dir's renames
+            os.replace(p, real)
+            gone.remove(p)
     for p in gone:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)

@@ -132,7 +132,7 @@ def test_resume_skips_finished_shards_and_cleans_partial_files(tmp_path, monkeyp
         write_dumps(model, samples, tmp_path, st, batch_tokens=1, progress=False)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert not manifest["complete"] and [s["index"] for s in manifest["shards"]] == [0]
-    (tmp_path / "shard-00001.safetensors.tmp-4242").write_bytes(b"half a shard")  # as if killed mid-write
+    (tmp_path / "shard-00001.safetensors.tmp-4242-0a1b2c3d").write_bytes(b"half a shard")  # as if killed mid-write
     first = (tmp_path / "shard-00000.safetensors").stat()
     with pytest.raises(DumpError, match="incomplete"):
         DumpDataset(tmp_path)
@@ -160,8 +160,11 @@ def test_resume_skips_finished_shards_and_cleans_partial_files(tmp_path, monkeyp
 def test_other_settings_are_refused(tmp_path):
     model, samples = tiny_target(), tiny_samples(4)
     write_dumps(model, samples, tmp_path, settings(samples), progress=False)
+    partial = tmp_path / "shard-00009.safetensors.tmp-123-0a1b2c3d"  # another run's write in progress
+    partial.write_bytes(b"x")
     with pytest.raises(DumpError, match="dtype"):
         write_dumps(model, samples, tmp_path, settings(samples, dtype="fp16"), progress=False)
+    assert partial.exists()  # a refused run deletes nothing (it cleaned the folder before it checked)
 
 
 def test_corrupt_shard_names_the_file(tmp_path):

@@ -68,3 +68,39 @@ def test_leftovers_of_killed_writes_are_found_and_removed(tmp_path):
     assert sorted(p.name for p in remove_leftovers(tmp_path)) == left
     assert all(p.read_bytes() == b"x" for p in keep)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["draft", "stage.json", "sub"]
+
+
+def test_a_directory_is_on_disk_before_it_replaces_the_old_one(tmp_path, monkeypatch):
+    """atomic_dir flushes every file and folder before the rename (before: nothing, so a power loss could
+    leave a renamed checkpoint of empty files), and the old folder is moved aside, not deleted first."""
+    import maverick.files as files
+
+    draft = tmp_path / "draft"
+    with atomic_dir(draft) as d:
+        (d / "config.json").write_text("old")
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(
+        files.os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd))[1]
+    )
+    with atomic_dir(draft) as d:
+        (d / "config.json").write_text("new")
+        (d / "model.safetensors").write_bytes(b"w")
+    names = [os.path.basename(p) for p in synced]
+    assert {"config.json", "model.safetensors", tmp_path.name} <= set(names)  # the files, the rename
+    assert any(n.startswith("draft.tmp-") for n in names) and (draft / "config.json").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft"]
+
+
+def test_leftovers_are_only_this_modules_and_a_folder_moved_aside_comes_back(tmp_path):
+    """A user's `notes.tmp-2024.txt` is not a leftover; a folder atomic_dir moved aside whose new one never
+    took its place (killed between the two renames) is put back, not deleted."""
+    (tmp_path / "notes.tmp-2024.txt").write_text("mine")
+    aside = tmp_path / "draft.tmp-123-0a1b2c3d-old"
+    aside.mkdir()
+    (aside / "config.json").write_text("{}")
+    (tmp_path / "draft.tmp-123-0a1b2c3d").mkdir()  # the new one, never renamed in: not trusted
+    gone = remove_leftovers(tmp_path)
+    assert [p.name for p in gone] == ["draft.tmp-123-0a1b2c3d"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft", "notes.tmp-2024.txt"]
+    assert (tmp_path / "draft" / "config.json").read_text() == "{}"

@@ -306,6 +306,22 @@ def test_resume_is_bit_identical(tiny, tmp_path):
         run(tiny, cut, steps=10, lr=1e-3, resume="auto")
 
 
+def test_stopped_and_resumed_log_equals_the_uninterrupted_one(tiny, tmp_path):
+    """--stop-after 3 logs step 3 (where it stopped, off the every-2 grid); resumed, the log is the
+    uninterrupted run's [2, 4, 6] (before: [2, 3, 4, 6]), and a last line cut off mid-write is dropped, not
+    a JSONDecodeError that stops --resume."""
+    kw = dict(steps=6, log_every=2, checkpoint_every=2)
+    run(tiny, tmp_path / "full", **kw)
+    cut = tmp_path / "cut"
+    run(tiny, cut, stop_after=3, **kw)
+    assert [r["step"] for r in records(cut)] == [2, 3]
+    with open(cut / "train_log.jsonl", "a") as f:
+        f.write('{"step": 4, "loss": 1.2')  # a kill mid-append
+    run(tiny, cut, resume="auto", **kw)
+    assert [r["step"] for r in records(cut)] == [2, 4, 6]
+    assert [r["loss"] for r in records(cut)] == [r["loss"] for r in records(tmp_path / "full")]
+
+
 def test_grad_accumulation_equals_one_big_batch(tiny, tmp_path):
     run(tiny, tmp_path / "a", steps=3, batch_size=4)
     run(tiny, tmp_path / "b", steps=3, batch_size=2, grad_accum=2)

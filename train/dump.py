@@ -271,8 +271,6 @@ def write_dumps(
     writer = shard is None or shard.rank == 0
     if writer:
         out.mkdir(parents=True, exist_ok=True)
-        for tmp in remove_leftovers(out):  # left by an interrupted run: never valid
-            log.info("deleted partial file %s", tmp)
     store_dtype = STORE_DTYPES[settings.dtype]
     n = len(samples)
     if n == 0:
@@ -296,6 +294,9 @@ def write_dumps(
                 shards[entry["index"]] = entry
             else:
                 log.warning("%s: missing or wrong size; dumping it again", f)
+    if writer:  # a dump of these settings (or a new one) goes on here: an interrupted run's partial files go
+        for tmp in remove_leftovers(out):
+            log.info("deleted partial file %s", tmp)
     if shard is not None:  # every rank has read the manifest before rank 0 writes
         dist.barrier(group=shard.group)
     if vocab is not None and writer:

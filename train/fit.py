@@ -474,13 +474,22 @@ def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def _truncate_log(path: Path, step: int) -> None:
-    """Keep the records of steps <= step (a resumed run logs the later ones again)."""
+def _truncate_log(path: Path, step: int, every: int | None = None) -> None:
+    """Keep the records of steps <= step (a resumed run logs the later ones again); with `every` (the log
+    interval), not a record at `step` itself off that grid (logged only because the run stopped there). A
+    last line cut off by a kill is dropped."""
     if not path.exists():
         return
-    kept = [
-        line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step
-    ]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append((json.loads(line)["step"], line))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            if i < len(lines) - 1:
+                raise ValueError(f"{path}: line {i + 1} is not a log record") from None
+            log.warning("%s: dropped a last line cut off mid-write", path)
+    kept = [line for n, line in records if n < step or (n == step and (every is None or n % every == 0))]
     atomic_write(path, "".join(line + "\n" for line in kept))
 
 
@@ -885,7 +894,7 @@ def _train(acc, cfg, data, vocab, embed_weight, lm_head_weight, target_cfg, eval
         start = run.restore(ck)
         acc.print(f"resumed from {ck} at step {start}")
         if acc.is_main_process:
-            _truncate_log(run.log_path, start)
+            _truncate_log(run.log_path, start, cfg.log_every if start < cfg.steps else None)
     elif acc.is_main_process and run.log_path.exists():
         run.log_path.unlink()
     run.objective, run.optimizer = acc.prepare(run.objective, run.optimizer)
