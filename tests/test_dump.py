@@ -132,7 +132,9 @@ def test_resume_skips_finished_shards_and_cleans_partial_files(tmp_path, monkeyp
         write_dumps(model, samples, tmp_path, st, batch_tokens=1, progress=False)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert not manifest["complete"] and [s["index"] for s in manifest["shards"]] == [0]
-    (tmp_path / "shard-00001.safetensors.tmp-4242-0a1b2c3d").write_bytes(b"half a shard")  # as if killed mid-write
+    (tmp_path / "shard-00001.safetensors.tmp-4242-0a1b2c3d").write_bytes(
+        b"half a shard"
+    )  # as if killed mid-write
     first = (tmp_path / "shard-00000.safetensors").stat()
     with pytest.raises(DumpError, match="incomplete"):
         DumpDataset(tmp_path)

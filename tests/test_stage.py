@@ -280,7 +280,9 @@ def test_interrupted_training_resumes_from_its_checkpoint(tmp_path, monkeypatch)
         json.loads((out / "stage.json").read_text())["phases"]
     ) == {"regen"}
     revive()
-    (out / "train_state.pt.tmp-1-0000abcd").write_bytes(b"half")  # a save a SIGKILL cut short: never read, removed
+    (out / "train_state.pt.tmp-1-0000abcd").write_bytes(
+        b"half"
+    )  # a save a SIGKILL cut short: never read, removed
     s = run(target, data, out, "--checkpoint-seconds", "0")
     tr = s["phases"]["train"]
     assert (tr["steps"], tr["steps_this_run"]) == (6, 2) and s["phases"]["regen"]["conversations"] == 5
