@@ -21,7 +21,11 @@ _FP32_MAX = torch.finfo(torch.float32).max
 
 
 def tensor_amax(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """max |t| in fp32: a 0-dim tensor, or along ``dim`` with keepdim (row-wise scaling)."""
+    """max |t| in fp32: a 0-dim tensor, or along ``dim`` with keepdim (row-wise scaling). An empty tensor
+    (a batch of no tokens) has amax 0, which keeps the scale it had."""
+    if t.numel() == 0:
+        shape = () if dim is None else tuple(1 if i == dim % t.dim() else n for i, n in enumerate(t.shape))
+        return torch.zeros(shape, dtype=torch.float32, device=t.device)
     if dim is None:
         return t.detach().abs().amax().float()
     return t.detach().abs().amax(dim=dim, keepdim=True).float()

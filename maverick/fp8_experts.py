@@ -173,9 +173,10 @@ class Float8Experts(torch.nn.Module):
 
 
 def convert_experts_to_fp8(model: torch.nn.Module) -> int:
-    """Swap every routed-expert block (`*.experts` holding gate_up_proj/down_proj) for Float8Experts, as in
-    Meta's FP8 release (attention, shared experts, dense FFN, router, embeddings stay high precision).
-    Returns the number of blocks converted."""
+    """Swap every routed-expert block (`*.experts` holding gate_up_proj/down_proj) for Float8Experts: the
+    kind of layer Meta's FP8 release quantizes (attention, shared experts, dense FFN, router, embeddings stay
+    high precision). Every MoE layer's, the first and last included, which the release keeps in bf16
+    (`parallel.fp8_expert_layers`). Returns the number of blocks converted."""
     from maverick.model import Experts
 
     n = 0

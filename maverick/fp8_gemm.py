@@ -54,7 +54,8 @@ def emulated_mm(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """Reference FP8 GEMM: up-cast to fp32, matmul, apply the scales, cast to ``out_dtype``."""
-    acc = a.float() @ b.float()  # [M, N] fp32; every FP8 x FP8 product is exact
+    with torch.autocast(a.device.type, enabled=False):  # under bf16 autocast the product came back in bf16
+        acc = a.float() @ b.float()  # [M, N] fp32; every FP8 x FP8 product is exact
     out = acc * (scale_a_inv.float() * scale_b_inv.float())
     # NOTE: no `.to` when the dtype already matches. Under torch.compile on torch 2.11 (the lent GPU's
     # image), an autograd.Function whose output passed through a no-op `.to` gave zero gradients to

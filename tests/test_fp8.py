@@ -189,6 +189,30 @@ def test_float8_linear_scaled_mm_backend_equals_emulation(scaling):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
 
 
+@pytest.mark.parametrize("scaling", ["delayed", "current", "rowwise"])
+def test_float8_linear_takes_a_batch_of_no_tokens(scaling):
+    """As nn.Linear does (before: amax() of an empty tensor raised), and the scales stay as they were."""
+    lin = Float8Linear.from_float(nn.Linear(32, 16), Fp8Recipe(scaling=scaling, amax_history_len=4))
+    x = torch.zeros(0, 32, requires_grad=True)
+    y = lin(x)
+    y.sum().backward()
+    assert y.shape == (0, 16) and x.grad.shape == (0, 32)
+
+
+def test_emulated_gemm_accumulates_in_fp32_under_autocast():
+    """train.fit --fp8 runs under bf16 autocast: the emulated FP8 GEMM still gives the exact products (fp32),
+    as torch._scaled_mm does on CUDA (before: 4.2e-3 from fp64 under autocast against 8.7e-8 without)."""
+    g = torch.Generator().manual_seed(0)
+    lin = Float8Linear.from_float(
+        nn.Linear(256, 64, bias=False), Fp8Recipe(scaling="current", backend="emulate")
+    )
+    x = torch.randn(64, 256, generator=g)
+    plain = lin(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = lin(x)
+    torch.testing.assert_close(under.float(), plain.float(), rtol=0, atol=0)
+
+
 def test_from_float_shares_parameters():
     lin = nn.Linear(32, 16)
     f = Float8Linear.from_float(lin, Fp8Recipe(scaling="current"))
