@@ -31,11 +31,12 @@ def models():
 def test_exact_marginal_equals_enumeration(models):
     t, _ = models
     p2, _ = exact_marginals(t, PROMPT, SAMPLING, V)
-    mine, uncovered = second_token_marginal(t, PROMPT, SAMPLING, max_support=64)
+    mine, uncovered, _ = second_token_marginal(t, PROMPT, SAMPLING, max_support=64)
     assert uncovered == pytest.approx(0.0, abs=1e-6) and torch.allclose(mine, p2, atol=1e-6)
     # a support cut to the 2 likeliest first tokens: the left-out mass is reported
-    part, uncovered = second_token_marginal(t, PROMPT, SAMPLING, max_support=2)
+    part, uncovered, support = second_token_marginal(t, PROMPT, SAMPLING, max_support=2)
     assert uncovered > 0.001 and float(part.sum()) == pytest.approx(1 - uncovered, abs=1e-5)
+    assert len(support) == 2
 
 
 def test_bucketed_tv_and_bound():
@@ -89,3 +90,19 @@ def test_correct_sampling_passes_and_accept_all_fails(models, monkeypatch):
     bad = check_method("k3-accept-all", "p", _spec_generate(t, d, policy=FixedK(3)), True, t, PROMPT, SAMPLING,
                        samples=2000)  # fmt: skip
     assert not bad.passed and bad.tv > 2 * bad.bound
+
+
+def test_a_cut_support_compares_the_rows_it_covers(models, monkeypatch):
+    """With the first token's support cut to its likeliest token, the rows outside it are left out and
+    the rest compared with the second token's distribution given the first in the support: correct sampling
+    passes and accepting every draft token fails, with no uncovered mass in the bound (before: added to it,
+    which on SmolLM2 at temperature 1 let accept-all pass)."""
+    t, d = models
+    good = check_method("k3", "p", _spec_generate(t, d, policy=FixedK(3)), True, t, PROMPT, SAMPLING,
+                        samples=2000, max_support=1)  # fmt: skip
+    assert good.uncovered > 0.02 and good.samples < 2000 and good.passed, good
+    assert good.bound == pytest.approx(tv_bound(good.buckets, good.samples))
+    monkeypatch.setattr(spec_mod, "verify_chain_sampling", accept_all)
+    bad = check_method("k3-accept-all", "p", _spec_generate(t, d, policy=FixedK(3)), True, t, PROMPT, SAMPLING,
+                       samples=2000, max_support=1)  # fmt: skip
+    assert not bad.passed
