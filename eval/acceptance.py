@@ -48,7 +48,7 @@ from eagle3.draft import DEFAULT_DRAFT, check_draft_fits, load_draft
 from eval.prompts import BENCHMARKS, answer_text, chat_ids, check_prompts_option, load_benchmark
 from maverick.aot import cpu_name
 from maverick.cli import UserError, add_threads_option, output_file, positive_int, run_cli
-from maverick.files import atomic_write
+from maverick.files import atomic_write, fingerprint
 from maverick.parallel import init_from_env, load_model, rank0_prints, rank0_says
 from maverick.sampling import SamplingParams, add_sampling_options
 from maverick.target import (
@@ -322,13 +322,11 @@ def answers_path(
     batched bf16 kernels' choices included: torch, the CPU, the thread count, ANSWERS_VERSION; for sampled
     answers the rule and the seed; the ranks of a tensor parallel target; an HF directory's weight and JSON
     files, each by size and mtime)."""
-    p = Path(target).expanduser().resolve()
     ident = target_identity(target)
-    if p.is_dir():  # a file rewritten in place changes its own mtime, not its directory's
-        ident["files"] = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(p.iterdir())
-                          if f.is_file() and f.suffix in (".safetensors", ".json")]  # fmt: skip
-    else:
-        ident["mtime_ns"] = p.stat().st_mtime_ns
+    if Path(target).expanduser().is_dir():
+        ident["files"] = fingerprint(target)
+    else:  # as before the folders' fingerprint: the answers kept for the GGUF stay valid
+        ident["mtime_ns"] = fingerprint(target)[1]
     key = [
         ident, dtype, max_new_tokens, prompts, torch.__version__, cpu_name(), torch.get_num_threads(),
         ANSWERS_VERSION,

@@ -103,7 +103,7 @@ from maverick.cli import (
     positive_int,
     run_cli,
 )
-from maverick.files import atomic_write
+from maverick.files import atomic_write, fingerprint
 from maverick.generate import Decoder
 from maverick.parallel import device_for, init_from_env, load_model, rank0_prints
 from maverick.sampling import SamplingParams, add_sampling_options
@@ -515,6 +515,9 @@ def bench(args, shard) -> int:
         "device": str(device_for(shard)),
     }
     config |= {"ranks": shard.world} if shard is not None else {}
+    # the weights themselves, so that --resume does not mix two drafts (or targets) of one path in a report
+    weights = {"target": gguf, "draft": args.draft, "datastore": args.datastore}
+    config["weights"] = {k: fingerprint(v) for k, v in weights.items() if v and Path(v).expanduser().exists()}
     if any(m.startswith("eagle3-tree") and not m.startswith("eagle3-tree-tuned") for m in methods):
         config["tree"] = asdict(tree_config(args))
     if any(m.startswith("eagle3-tree-tuned") for m in methods):

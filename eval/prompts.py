@@ -151,10 +151,16 @@ def load_jsonl_prompts(path: str | pathlib.Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
     prompts = []
+    lines: dict[str, int] = {}  # id -> the line that gave it
     for n, obj in _read_jsonl(path, read_utf8(path)):
         where = f"{path}: line {n}"
         raw_id = next((obj[k] for k in ("id", "question_id", "task_id") if k in obj), None)
         prompt_id = f"{path.stem}:{n}" if raw_id is None else str(raw_id)
+        if prompt_id in lines:  # records, reports and --resume key prompts by their id
+            raise UserError(
+                f"{where}: id {prompt_id!r} again (line {lines[prompt_id]} has it): ids must differ"
+            )
+        lines[prompt_id] = n
         category = str(obj.get("category", "jsonl"))
         if "prompt" in obj:
             if not isinstance(obj["prompt"], str) or not obj["prompt"].strip():

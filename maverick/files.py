@@ -99,3 +99,17 @@ def remove_leftovers(directory: str | os.PathLike) -> list[Path]:
         else:
             p.unlink(missing_ok=True)
     return gone
+
+
+def fingerprint(
+    path: str | os.PathLike, suffixes: tuple[str, ...] = (".safetensors", ".json", ".gguf")
+) -> list:
+    """What tells whether a checkpoint changed, cheaply: a file's size and mtime, or a folder's files of
+    these suffixes each by name, size and mtime (a file rewritten in place changes its own mtime, not its
+    folder's)."""
+    p = Path(path).expanduser().resolve()
+    if p.is_dir():
+        return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(p.iterdir())
+                if f.is_file() and f.suffix in suffixes]  # fmt: skip
+    st = p.stat()
+    return [st.st_size, st.st_mtime_ns]

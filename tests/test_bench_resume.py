@@ -149,6 +149,27 @@ def test_resume_refuses_prompts_that_are_not_this_runs(tmp_path, capsys):
     assert code == 2 and "prompt a has another text than when it was run" in err
 
 
+def test_resume_refuses_a_draft_changed_in_place(tmp_path, capsys):
+    """A draft retrained into the same directory (train.fit --resume into runs/draft) is another draft: one
+    report must not mix records of both (before: resumed, exit 0)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from eagle3.draft import DEFAULT_DRAFT
+
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(DEFAULT_DRAFT / f, draft / f)
+    argv = ["--n", "1", *TINY, "--out", str(tmp_path / "r"), "--draft", str(draft)]
+    assert bench.main(argv) == 0
+    w = load_file(draft / "model.safetensors")
+    save_file({k: v / 2 if v.is_floating_point() else v for k, v in w.items()}, draft / "model.safetensors")
+    code, err = exit_status(bench.main, [*argv, "--resume", "--n", "2"], capsys)
+    assert code == 2 and "cannot resume with different settings (weights:" in err
+
+
 def test_bench_keeps_an_earlier_run_unless_told_to_overwrite(tmp_path, capsys):
     (tmp_path / "report.json").write_text("{}")
     argv = [

@@ -108,6 +108,12 @@ def test_jsonl_errors_name_file_and_line(tmp_path):
     path.write_text('{"messages": [{"role": "user", "content": ""}]}\n')
     with pytest.raises(ValueError, match=r"line 1: empty-text"):
         P.load_jsonl_prompts(path)
+    # records and --resume key prompts by id: a repeated one lost a whole eval.bench run at its report
+    path.write_text(
+        '{"id": "a", "prompt": "one"}\n{"id": "b", "prompt": "two"}\n{"id": "a", "prompt": "three"}\n'
+    )
+    with pytest.raises(ValueError, match=r"bad\.jsonl: line 3: id 'a' again \(line 1 has it\)"):
+        P.load_jsonl_prompts(path)
 
 
 def test_load_benchmark_dispatch():
