@@ -244,6 +244,21 @@ def check_method_names(methods: list[str]) -> None:
             method_parts(base)
 
 
+def with_references(methods: list[str], temperature: float) -> list[str]:
+    """Greedy runs check each method of ours token by token against plain decoding on its own numerics
+    (ours-plain, ours-plain+q4, ...): a reference not asked for is added in front, with a note (before, such
+    a method was compared with nothing, or a +q4 one with bf16 decoding, whose differences never count)."""
+    if temperature > 0:
+        return methods
+    ours = [m for m in methods if m.startswith(("ours-", "eagle3-"))]
+    added = [r for r in dict.fromkeys("ours-plain" + variant(m) for m in ours) if r not in methods]
+    if added:
+        print(
+            f"added {', '.join(added)}: the plain decoding the methods are checked against", file=sys.stderr
+        )
+    return added + methods
+
+
 def check_datastore_option(args, methods: list[str]) -> None:
     """The datastore of the `+store` methods exists, and a --datastore given is read by one of them."""
     store = [m for m in methods if m.removesuffix(variant(m)).endswith(STORE_SUFFIX)]
@@ -495,6 +510,7 @@ def bench(args, shard) -> int:
     check_prompts_option(args.bench, args.prompts)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     check_method_names(methods)
+    methods = with_references(methods, args.temperature)
     check_datastore_option(args, methods)
     if shard is not None:
         check_sharded_methods(args, methods)

@@ -170,6 +170,24 @@ def test_resume_refuses_a_draft_changed_in_place(tmp_path, capsys):
     assert code == 2 and "cannot resume with different settings (weights:" in err
 
 
+def test_greedy_runs_add_the_plain_decoding_each_method_is_checked_against(tmp_path, capsys):
+    """--methods eagle3-k3 alone was compared with nothing (exit 0 whatever it emitted); a +q4 method with
+    bf16 plain decoding, whose differences never count. The references are added, with a note."""
+    assert bench.with_references(["eagle3-k3+q4", "hf-generate"], 0.0) == ["ours-plain+q4", "eagle3-k3+q4",
+                                                                           "hf-generate"]  # fmt: skip
+    assert bench.with_references(["ours-plain", "eagle3-k3-compiled"], 0.0)[0] == "ours-plain-compiled"
+    assert bench.with_references(["eagle3-k3"], 0.7) == ["eagle3-k3"]  # sampled: the distribution check
+    out = tmp_path / "r"
+    assert bench.main(["--n", "1", "--turns", "1", "--max-new-tokens", "4", "--methods", "eagle3-k3",
+                       "--out", str(out)]) == 0  # fmt: skip
+    assert "added ours-plain: the plain decoding the methods are checked against" in capsys.readouterr().err
+    s = {x["method"]: x for x in json.loads((out / "report.json").read_text())["summaries"]}
+    assert set(s) == {"ours-plain", "eagle3-k3"} and (
+        s["eagle3-k3"]["compared"],
+        s["eagle3-k3"]["mismatches"],
+    ) == (1, 0)
+
+
 def test_bench_keeps_an_earlier_run_unless_told_to_overwrite(tmp_path, capsys):
     (tmp_path / "report.json").write_text("{}")
     argv = [
