@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from maverick.checkpoint import check_state_dict
 from maverick.cli import UserError, read_utf8
-from maverick.config import Llama4Config, check_numbers
+from maverick.config import Llama4Config, check_numbers, rope_scaling_problem
 from maverick.files import atomic_dir
 from maverick.kv_cache import KVCache, attention_mask
 from maverick.linear import Linear
@@ -163,6 +163,8 @@ class DraftConfig:
         kw.setdefault("rope_theta", rp.get("rope_theta", 10000.0))
         if kw.get("rope_scaling") is None and rp.get("rope_type", "default") != "default":
             kw["rope_scaling"] = rp
+        if kw.get("rope_scaling") and (problem := rope_scaling_problem(kw["rope_scaling"])):
+            raise UserError(f"{source}: {problem}")
         kw["feature_layers"] = feature_layers_from_hf(d, source)
         nested = d.get("eagle_config") or {}
         for key in NORM_VARIANTS:

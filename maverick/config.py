@@ -64,6 +64,19 @@ _COUNTS = ("vocab_size", "hidden_size", "intermediate_size", "intermediate_size_
            "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")  # fmt: skip
 
 
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def rope_scaling_problem(scaling: dict) -> str | None:
+    """What is wrong with a rope_scaling dict (None: nothing): a type other than llama3, or llama3 without
+    one of its four numbers (rope_inv_freq would stop on a bare KeyError)."""
+    rtype = scaling.get("rope_type", scaling.get("type"))
+    if rtype not in ("llama3", "default"):
+        return f"rope_scaling type {rtype!r} not supported (llama3 only)"
+    missing = [k for k in LLAMA3_ROPE_KEYS if k not in scaling] if rtype == "llama3" else []
+    return f"llama3 rope_scaling lacks {', '.join('rope_scaling.' + k for k in missing)}" if missing else None
+
+
 @dataclass
 class Llama4Config:
     vocab_size: int = 202048
@@ -102,7 +115,7 @@ class Llama4Config:
     def __post_init__(self):
         self._check_types()
         L = self.num_hidden_layers
-        if self.no_rope_layers is None:
+        if not self.no_rope_layers:  # None or [] (Scout's config.json): from the interval, as transformers
             self.no_rope_layers = [int((i + 1) % self.no_rope_layer_interval != 0) for i in range(L)]
         if self.moe_layers is None:
             step = self.interleave_moe_layer_step
@@ -146,8 +159,8 @@ class Llama4Config:
             self.num_experts_per_tok == 1 or not self.moe_layers, "only top-1 routing (Llama 4) is supported"
         )
         if self.rope_scaling is not None:
-            rtype = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            need(rtype in ("llama3", "default"), f"rope_scaling type {rtype!r} not supported (llama3 only)")
+            problem = rope_scaling_problem(self.rope_scaling)
+            need(problem is None, str(problem))
 
     # ---- derived ----
     def uses_rope(self, layer: int) -> bool:

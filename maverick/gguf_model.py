@@ -42,6 +42,8 @@ def load_gguf_model(
             continue
         attach_codes(model.get_submodule(name.removesuffix(".weight")), *parts)
     for name, (codes, scale, zero) in (ckpt.q4 or {}).items():
+        if name == "model.embed_tokens.weight":  # looked up by row; a file's own output.weight is the head
+            continue
         layer = model.get_submodule(name.removesuffix(".weight"))
         if layer.weight is model.lm_head.weight or layer.weight.shape[0] % 16:
             continue  # tied embedding (also read by row), or a shape the kernel cannot pack

@@ -73,6 +73,31 @@ def test_wrong_d2t_length_and_missing_key_are_clear_errors(tmp_path):
         load_draft(path)
 
 
+def test_rope_scaling_errors_name_the_file_and_field(tmp_path):
+    """A draft's (or a Llama 4 directory's) llama3 rope_scaling without its numbers stopped on a bare
+    KeyError 'low_freq_factor'; another type was refused without the file's name."""
+    from maverick.checkpoint import CheckpointError, load_hf, save_hf
+    from maverick.cli import UserError
+    from maverick.model import Llama4
+
+    save_draft(Eagle3Draft(DraftConfig.for_target(get_config("tiny-dense"), 512)), tmp_path / "d")
+    cfg = tmp_path / "d" / "config.json"
+    base = json.loads(cfg.read_text())
+    cfg.write_text(json.dumps(base | {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}))
+    with pytest.raises(UserError, match=f"{cfg}: llama3 rope_scaling lacks rope_scaling.low_freq_factor"):
+        load_draft(tmp_path / "d")
+    cfg.write_text(json.dumps(base | {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}))
+    with pytest.raises(UserError, match=f"{cfg}: rope_scaling type 'linear' not supported"):
+        load_draft(tmp_path / "d")
+    save_hf(Llama4(get_config("tiny-moe")), tmp_path / "t")
+    cfg = tmp_path / "t" / "config.json"
+    d = json.loads(cfg.read_text())
+    d.pop("rope_parameters", None)
+    cfg.write_text(json.dumps(d | {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}))
+    with pytest.raises(CheckpointError, match="config.json: invalid Llama4Config: llama3 rope_scaling lacks"):
+        load_hf(tmp_path / "t")
+
+
 def test_not_an_eagle3_config(tmp_path):
     _, path = make(tmp_path)
     c = json.loads((path / "config.json").read_text())

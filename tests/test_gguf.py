@@ -303,6 +303,22 @@ def test_untied_mixed_types_to_bfloat16(tmp_path):
     assert ck.config["rope_theta"] == 500000.0
 
 
+def test_untied_4bit_embedding_and_head_load_on_the_int4_path(tmp_path):
+    """`llama-quantize --pure Q4_0` keeps output.weight and packs every matrix: the bf16 4-bit load packs
+    the head and looks the embedding up by row (it handed nn.Embedding to the int4 linear: AttributeError),
+    giving the logits of the dequantised weights within the int4 kernel's rounding."""
+    from maverick.gguf_model import load_gguf_model
+
+    t = tiny_tensors(tie=False)
+    path = write_tiny(tmp_path / "pure.gguf", t, {"token_embd.weight": Q.Q4_0, "output.weight": Q.Q4_0})
+    dense = load_gguf_model(path, dtype=torch.bfloat16)
+    packed = load_gguf_model(path, dtype=torch.bfloat16, q4=True)
+    x = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        a, b = dense(x).logits.float(), packed(x).logits.float()
+    assert not packed.config.tie_word_embeddings and (a - b).norm() / a.norm() < 2e-2
+
+
 LLAMA3 = {
     "rope_type": "llama3",
     "factor": 8.0,

@@ -68,6 +68,18 @@ def test_logits_match_hf(variant, tmp_path):
     assert rel_err(got, ref) < 1e-5
 
 
+def test_an_empty_no_rope_layers_is_derived_as_transformers_does():
+    """Scout's published config.json says "no_rope_layers": []: transformers derives the NoPE layers from
+    the interval, and so do we (the checkpoint was refused: 0 entries for 4 layers)."""
+    d = {
+        k: v
+        for k, v in get_config("tiny-moe").to_hf_dict().items()
+        if k not in ("architectures", "model_type")
+    }
+    d["no_rope_layers"] = []
+    assert Llama4Config.from_hf_dict(d).no_rope_layers == Llama4TextConfig(**d).no_rope_layers
+
+
 def test_wrong_nope_numbering_is_caught(tmp_path):
     """Control: counting NoPE layers from 0 (torchtitan's mistake) must break parity."""
     cfg = tiny()
