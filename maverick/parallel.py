@@ -19,12 +19,11 @@ The layout (`layout` is the one table every path reads; shape legend as in model
 - Routed experts: expert parallel, rank r holds experts r*E/w .. (r+1)*E/w - 1. The router is
   replicated (E x H: 31 MB in bf16 for Maverick's 24 MoE layers): split, its logits would need a
   gather before the top-1; replicated, every rank routes every token identically from its replicated
-  input, so the exchange plan needs no communication. Rank r dispatches its own block of
-  tokens to the experts' ranks by all_to_all (gloo and nccl both have all_to_all_single, uneven and
-  empty splits included; checked on gloo), and receives their outputs back by a second all_to_all.
-  NOTE: the activations entering the MoE are replicated (tensor parallel attention ends in a sum over
-  ranks), so the receiving rank already holds the tokens it is sent; the exchange is the dispatch a
-  sequence-parallel layout needs, and each token's routed expert still runs on exactly one rank.
+  input. The activations entering the MoE are replicated too (tensor parallel attention ends in a sum
+  over ranks), so rank r takes the tokens of its experts from its own copy and adds their outputs to its
+  partial sum: no exchange, and each token's routed expert runs on exactly one rank, the same one
+  whatever the call's row count (see ExpertParallelMoE). A sequence-parallel layout would need the
+  all_to_all dispatch and combine instead.
 - Embedding and lm_head: split by vocabulary rows (V/w): an embedding lookup is masked to the rank's
   rows and summed over ranks (one rank holds each row, so the sum is exact), the logits are gathered.
 - Norms replicated.
@@ -34,7 +33,7 @@ loaded local experts (`fp8_experts.convert_experts_to_fp8`: per-expert scales, s
 converting the full model and cutting it). Meta's FP8 release (per-expert compressed-tensors keys)
 loads in one process only.
 
-Each rank's o_proj, down_proj and MoE (shared expert + routed outputs of its tokens) produce partial
+Each rank's o_proj, down_proj and MoE (shared expert + routed outputs of its experts' tokens) produce partial
 sums, reduced once per sub-block in `ParallelDecoderLayer.forward`. Calls on the exact path (at most
 `EXACT_ATTENTION_MAX_T` new tokens: decoding, verification) reduce by all_gather and a sum in rank
 order, so a row's bits do not depend on how many rows share the call: a ring all_reduce chunks by size
@@ -246,14 +245,15 @@ class VocabParallelEmbedding(nn.Embedding):
 
 class ExpertParallelMoE(MoE):
     """The MoE with local experts expert_start .. expert_start + local_experts - 1 and a tensor parallel
-    shared expert; returns this rank's partial sum (shared expert part + routed outputs of its tokens).
+    shared expert; returns this rank's partial sum: its shared-expert part plus the routed outputs of the
+    tokens whose expert it holds.
 
-    Stages (names as MoE.forward; s source rank, d destination rank, r this rank):
-      route (replicated)     -> expert_N, score_N, the same on every rank
-      plan (no exchange)     -> counts_SD[s, d]: tokens of s's block whose expert lives on d
-      dispatch all_to_all    -> this rank's block, sorted by destination, to the experts' ranks
-      grouped SwiGLU         -> received tokens (position order) sorted by local expert
-      combine all_to_all     -> outputs back to the tokens' ranks, unsorted into the block's rows
+    The input is replicated (every rank holds the whole residual stream after the attention's sum), so each
+    rank takes its experts' tokens from it directly: no exchange. A token's routed output joins the partial
+    sum of its expert's rank, a function of the token alone, and `all_sum` adds the partials in rank order:
+    a row's bits do not depend on how many rows share the call. (The tokens went out to the experts' ranks
+    and back to the rank holding their block of rows before; that rank changed with the row count, and a
+    verify's later rows got other bits than decoding them one by one.)
     """
 
     shard: Shard
@@ -263,30 +263,15 @@ class ExpertParallelMoE(MoE):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x_ND = x.reshape(-1, shape[-1])
-        N, w, r = x_ND.shape[0], self.shard.world, self.shard.rank
-        expert_N, score_N = self.route(x_ND)
-        dest_N = expert_N // self.local_experts
-        owner_N = torch.arange(N, device=x.device) * w // N  # contiguous blocks, as tensor_split
-        counts_SD = torch.bincount(owner_N * w + dest_N, minlength=w * w).view(w, w).tolist()
-        lo = sum(sum(counts_SD[s]) for s in range(r))  # my block: rows lo .. hi - 1
-        hi = lo + sum(counts_SD[r])
-        # dispatch: my block, sorted by destination rank
-        order_n = torch.argsort(dest_N[lo:hi], stable=True)
-        send_nD = (x_ND[lo:hi] * score_N[lo:hi, None])[order_n]
-        recv_sizes = [counts_SD[s][r] for s in range(w)]
-        recv_MD = send_nD.new_empty(sum(recv_sizes), shape[-1])
-        dist.all_to_all_single(recv_MD, send_nD, recv_sizes, counts_SD[r], group=self.shard.group)
-        # received in source order, each source in position order: all tokens for my experts by position
-        local_M = expert_N[dest_N == r] - self.expert_start
-        by_expert_M = torch.argsort(local_M, stable=True)
-        counts_E = torch.bincount(local_M, minlength=self.local_experts).tolist()
-        out_MD = torch.empty_like(recv_MD)
-        out_MD[by_expert_M] = self.experts.grouped(recv_MD[by_expert_M], counts_E)
-        # combine: outputs back to the tokens' ranks
-        back_nD = torch.empty_like(send_nD)
-        dist.all_to_all_single(back_nD, out_MD, counts_SD[r], recv_sizes, group=self.shard.group)
+        expert_N, score_N = self.route(x_ND)  # replicated: the same on every rank
         out_ND = self.shared_expert(x_ND)  # partial: this rank's I/w columns
-        out_ND[lo + order_n] += back_nD
+        local_N = expert_N - self.expert_start
+        mine_M = ((local_N >= 0) & (local_N < self.local_experts)).nonzero().squeeze(1)  # in position order
+        if mine_M.numel():
+            by_expert_M = mine_M[torch.argsort(local_N[mine_M], stable=True)]
+            counts_E = torch.bincount(local_N[mine_M], minlength=self.local_experts).tolist()
+            routed_MD = self.experts.grouped(x_ND[by_expert_M] * score_N[by_expert_M, None], counts_E)
+            out_ND[by_expert_M] += routed_MD
         return out_ND.view(shape)
 
     def forward_reference(self, x: Tensor) -> Tensor:

@@ -122,6 +122,17 @@ def _worker(rank: int, world: int, d: str, backend: str = "gloo") -> None:
         # bf16: speculative decoding keeps plain decoding's bits with a parallel target (ordered sums)
         model, _ = load_hf_sharded(Path(d) / "ckpt", Shard(rank, world), torch.bfloat16, device)
         draft = draft.to(torch.bfloat16)
+        # a row's logits: the same bits decoded one by one as in one 4-row call (a verify); the MoE's
+        # routed outputs joined the partial sum of a rank that moved with the row count before
+        with torch.no_grad():
+            c1, c2 = model.new_cache(1, 256), model.new_cache(1, 256)
+            for c in (c1, c2):
+                c.set_window(192)
+                model(torch.tensor([prompt[:-4]], device=device), cache=c)
+            tail = torch.tensor([prompt[-4:]], device=device)
+            steps = torch.cat([model(tail[:, t : t + 1], cache=c1).logits for t in range(4)], 1)
+            call = model(tail, cache=c2).logits
+        out["bf16_rows_invariant"] = [torch.equal(steps[0, t], call[0, t]) for t in range(4)]
         out["bf16_plain"] = Decoder(model, max_len=256).generate([prompt], NEW_TOKENS).tokens[0]
         chain = SpecDecoder(model, draft, max_len=256, policy=FixedK(3))
         out["bf16_chain"] = chain.generate([prompt], NEW_TOKENS).tokens[0]
@@ -180,6 +191,7 @@ def _check(single, world: int, backend: str = "gloo") -> list[dict]:
         assert out["chain"] == ref["chain"] == ref["plain"], world
         assert out["tree"] == ref["tree"] == ref["plain"], world
         assert out["bf16_chain"] == out["bf16_plain"], world
+        assert all(out["bf16_rows_invariant"]), (world, out["bf16_rows_invariant"])
         assert all(out["sum_row_invariant"]), (world, out["sum_row_invariant"])
     # each rank read only its slices: 1/world of the sharded tensors plus the replicated ones (norms,
     # routers), and kv heads twice as often where 4 ranks share 2 of them
