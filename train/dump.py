@@ -140,14 +140,16 @@ def run_target(
 def target_argmax(model: Llama4, hidden: Tensor) -> Tensor:
     """The target's full-vocabulary argmax of hidden [N, H] (`full_vocab_argmax`). A tensor parallel
     target (maverick/parallel.py) holds vocabulary rows vocab_start .. of the head on each rank: each rank
-    takes the best of its rows and its fp32 logit, and every rank picks the same winner from the gathered
-    pairs (the lowest id on a tie, as argmax does)."""
+    takes the best of its rows and the fp32 score that chose it, and every rank picks the same winner from
+    the gathered pairs (the lowest id on a tie, as argmax does). A GEMM's bits depend on the head's row
+    count, so logits within a few ulps of each other on different ranks may still resolve otherwise than
+    in one process (constructed near-ties: 1,505 of 4,096 rows, 1,707 with recomputed scores; SmolLM2's
+    dump on 3 ranks: none)."""
     head = model.lm_head.weight
     shard = getattr(model, "shard", None)
     if shard is None:
         return full_vocab_argmax(hidden, head)
-    local = full_vocab_argmax(hidden, head)  # [N] ids of this rank's rows
-    logit = torch.einsum("nh,nh->n", hidden.float(), head[local].float())
+    local, logit = full_vocab_best(hidden, head)  # [N] ids of this rank's rows, the scores that chose them
     pairs = torch.stack([logit.double(), (local + model.model.embed_tokens.vocab_start).double()])  # [2, N]
     gathered = [torch.empty_like(pairs) for _ in range(shard.world)]
     dist.all_gather(gathered, pairs, group=shard.group)
@@ -163,11 +165,19 @@ def full_vocab_argmax(hidden: Tensor, head: Tensor, candidates: int = 8) -> Tens
     position and only those are rescored in fp32: bf16 logits are off by ~0.4% of their size, far less
     than the gap to the 8th best, so the result equals the fp32 argmax (tests check it).
     """
+    return full_vocab_best(hidden, head, candidates)[0]
+
+
+def full_vocab_best(hidden: Tensor, head: Tensor, candidates: int = 8) -> tuple[Tensor, Tensor]:
+    """(`full_vocab_argmax`'s ids [N], the fp32 scores it chose them by [N]): a sharded head's ranks compare
+    these very numbers (recomputed, they differed in the last bits and near-ties went another way)."""
     if head.dtype == torch.float32:
-        return (hidden.float() @ head.T).argmax(-1)
+        best = (hidden.float() @ head.T).max(-1)
+        return best.indices, best.values
     cand = (hidden.to(head.dtype) @ head.T).topk(min(candidates, head.shape[0]), dim=-1).indices  # [N, k]
     exact = torch.einsum("nh,nkh->nk", hidden.float(), head[cand].float())  # [N, k] fp32
-    return cand.gather(1, exact.argmax(-1, keepdim=True))[:, 0]
+    best = exact.max(-1, keepdim=True)
+    return cand.gather(1, best.indices)[:, 0], best.values[:, 0]
 
 
 def plan_batches(lengths: Sequence[int], batch_tokens: int, max_batch: int = 64) -> list[list[int]]:
