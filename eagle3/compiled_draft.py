@@ -38,7 +38,10 @@ from maverick.compiled import (
     span_carrier,
     use_repo_cache,
 )
+from maverick.compiled import __file__ as compiled_source
 from maverick.kv_cache import KVCache
+from maverick.linear import __file__ as linear_source
+from maverick.model import __file__ as model_source
 
 MIN_ROWS = 2  # a dynamic row count of 1 would be specialised: one-token steps pad to 2 rows
 
@@ -174,7 +177,7 @@ class CompiledDraft:
         rows 2..max_rows and the key span dynamic."""
         key = package_key(
             weights_digest(self.step),
-            (__file__, draft_source),
+            (__file__, draft_source, model_source, linear_source, compiled_source),  # what its graph traces
             engine="draft",
             config=repr(self.base.config),  # what shapes the graph beyond its weights: norm_output, eps, ...
             batch=args[1].shape[0],

@@ -17,6 +17,7 @@ an interrupted build leaves nothing half-written behind; a later engine of the s
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -58,14 +59,25 @@ def require_cpu_engines(what: str) -> None:
         )
 
 
-def cpu_name() -> str:
+def cpu_name(cpuinfo: str | None = None) -> str:
+    """What keys compiled and probed artefacts to this kind of CPU: its model name, and (where
+    /proc/cpuinfo has them) its family, model, stepping and a hash of its feature flags. The name alone
+    ('AMD EPYC') is one for Zen 4 and Zen 5 machines, and inductor builds with -march=native."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        info: dict[str, str] = {}
+        text = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
+        for line in text.splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+            if not line.strip() and info:
+                break  # the first processor's block
     except OSError:
-        pass
-    return platform.processor()
+        return platform.processor()
+    name = info.get("model name") or platform.processor()
+    parts = [info[k] for k in ("cpu family", "model", "stepping") if k in info]
+    if "flags" in info:
+        parts.append(hashlib.blake2b(info["flags"].encode(), digest_size=4).hexdigest())
+    return " ".join([name, *parts])
 
 
 def weights_digest(module: nn.Module) -> str:
@@ -141,13 +153,15 @@ def load_or_build(
     if path.exists():
         try:
             runner = torch._inductor.aoti_load_package(str(path))
-            os.utime(path)  # recently used
-            return runner, path, True
         except Exception as e:  # a damaged package (a disk that filled up, a copy cut short): built again
             warnings.warn(
                 f"{path}: not a loadable package ({type(e).__name__}); building it again", stacklevel=2
             )
             path.unlink(missing_ok=True)
+        else:
+            with contextlib.suppress(OSError):  # recently used (a read-only or shared cache: no matter)
+                os.utime(path)
+            return runner, path, True
     directory.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{key}.{os.getpid()}.tmp.pt2")
     try:

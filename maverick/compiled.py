@@ -600,11 +600,13 @@ class CompiledTarget:
         B, T = tokens.shape
         R = self.bucket(T)
         ours = getattr(cache, "compiled", False)
+        tree = tree_mask is not None and positions is not None and B == 1
+        if tree and T > SPAN + 1:  # its window of two SPAN blocks would not hold a deeper node's path
+            raise ValueError(f"a tree of {T} nodes: the compiled engine verifies trees of up to {SPAN + 1}")
         if R is None and ours and bool(cache.lengths.any()):  # eager would change a verify's bits
             raise ValueError(
                 f"a chain of {T} tokens: the compiled engine's largest bucket is {self.rows[-1]}"
             )
-        tree = tree_mask is not None and positions is not None and B == 1
         if R is None or not ours or inputs_embeds is not None or (positions is not None and not tree):
             return self._eager(tokens, cache, positions, tree_mask, feature_layers, logits, inputs_embeds)
         missing = [i for i in feature_layers if i not in self.feature_layers]

@@ -243,6 +243,33 @@ def test_a_damaged_package_is_built_again(tmp_path, monkeypatch):
     assert len(built) == 1 and not bad.exists()
 
 
+def test_a_package_that_loads_is_kept_when_its_time_cannot_be_touched(tmp_path, monkeypatch):
+    """A read-only or shared cache: os.utime fails, the package loaded fine (it was deleted and built again
+    for minutes, taken for a damaged one)."""
+    import maverick.aot as aot
+
+    good = tmp_path / "k.pt2"
+    good.write_bytes(b"a package")
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda path: "runner")
+    monkeypatch.setattr(aot.os, "utime", lambda *a, **kw: (_ for _ in ()).throw(PermissionError("read-only")))
+    assert load_or_build(torch.nn.Linear(4, 4), (torch.ones(1, 4),), None, {}, "k", tmp_path)[::2] == (
+        "runner",
+        True,
+    )
+    assert good.exists()
+
+
+def test_cpu_keys_tell_apart_cpus_of_one_name():
+    """'AMD EPYC' names Zen 4 and Zen 5 machines alike, and inductor builds with -march=native: the key takes
+    the family, model, stepping and feature flags too."""
+    from maverick.aot import cpu_name
+
+    zen4 = "processor\t: 0\nmodel name\t: AMD EPYC\ncpu family\t: 25\nmodel\t\t: 17\nstepping\t: 1\nflags\t\t: fpu avx512f\n\n"
+    zen5 = zen4.replace(": 25", ": 26").replace("avx512f", "avx512f avx512_vp2intersect")
+    assert cpu_name(zen4).startswith("AMD EPYC 25 17 1 ") and cpu_name(zen4) != cpu_name(zen5)
+    assert cpu_name(zen4) == cpu_name(zen4 + "processor\t: 1\nmodel name\t: other\n")  # the first CPU's
+
+
 def test_prune_keeps_the_most_recent_packages(tmp_path):
     """The package directory keeps to its budget by deleting the least recently used packages, never the
     one just built, nor a build under way."""
@@ -477,6 +504,35 @@ def test_compiled_eagle31_draft_matches_the_eager_draft(monkeypatch):
 
 
 @cpu_engines
+def test_the_draft_packages_name_follows_the_code_its_graph_runs(tmp_path, monkeypatch):
+    """The draft's graph runs maverick/model.py's RMSNorm and MLP, maverick/linear.py's linears and
+    maverick/compiled.py's span: a change there names another package (it named the same one, and an old
+    package ran the old code)."""
+    import eagle3.compiled_draft as cd
+
+    keys = package_names_only(monkeypatch, "eagle3.compiled_draft")
+    draft = make_draft(make_target())
+    H = draft.config.hidden_size
+    emb, hid = torch.zeros(1, 4, H).bfloat16(), torch.zeros(1, 4, H).bfloat16()
+
+    def name() -> str:
+        comp = CompiledDraft(draft, MAX_LEN, max_rows=8)
+        with pytest.raises(KeyError):
+            comp(emb, hid, None, cache=comp.new_cache(1, MAX_LEN))
+        return keys[-1]
+
+    first = name()
+    for source in ("model_source", "linear_source", "compiled_source"):
+        original = getattr(cd, source)
+        edited = tmp_path / f"{source}.py"
+        edited.write_text(Path(original).read_text() + "\n# edited\n")
+        monkeypatch.setattr(cd, source, str(edited))
+        assert name() != first, source
+        monkeypatch.setattr(cd, source, original)
+    assert name() == first
+
+
+@cpu_engines
 def test_compiled_draft_rows_of_other_lengths():
     """Two rows whose caches hold different lengths (a batch after a verify that accepted more in one row):
     each row's compiled draft state matches the eager draft's."""
@@ -619,6 +675,14 @@ def test_drafts_longer_than_the_largest_bucket_are_refused(engine):
     engine(torch.ones(1, 3, dtype=torch.long), cache)
     with pytest.raises(ValueError, match="largest bucket"):
         engine(torch.ones(1, engine.rows[-1] + 1, dtype=torch.long), cache)
+    # a tree deeper than its attention window (two SPAN blocks) read a node's path out of order (seen: 80
+    # nodes, logits off by 0.38): refused, whatever the buckets
+    T = SPAN + 2
+    chain = torch.tril(torch.ones(1, T, T, dtype=torch.bool))
+    with pytest.raises(ValueError, match=f"a tree of {T} nodes: the compiled engine verifies trees of up to"):
+        engine(
+            torch.ones(1, T, dtype=torch.long), cache, positions=3 + torch.arange(T)[None], tree_mask=chain
+        )
 
 
 @pytest.mark.cuda
