@@ -94,6 +94,7 @@ def main(argv=None) -> int:
     from eagle3.lookup import LookupConfig
     from eagle3.spec import SpecDecoder, TreeConfig
     from maverick.compiled import CompiledTarget, tree_mismatches
+    from maverick.files import atomic_write
     from maverick.generate import Decoder
     from maverick.gguf_model import load_gguf_model
 
@@ -103,83 +104,105 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name() if dev == "cuda" else "none"
     result: dict = {"config": vars(args), "torch": torch.__version__, "gpu": gpu}
     print(json.dumps(result), flush=True)
-    prompts = json.loads(Path(args.prompts).read_text())[: args.n]
-    target = load_gguf_model(args.gguf, dtype=torch.bfloat16, device=dev)
-    draft = load_draft(ROOT / "eagle3" / "drafts" / "smollm2-135m-instruct", dtype=torch.bfloat16, device=dev)
-    eos = target.config.eos_ids
-    feats = tuple(draft.config.feature_layers)
-    methods = [m for m in args.methods.split(",") if m]
-    decoders, errors = {}, {}
-    t0 = time.perf_counter()
-    engine = None
-    if any(m.startswith("compiled") for m in methods):
-        try:
-            rows = tuple(int(r) for r in args.rows.split(","))
-            engine = CompiledTarget(target, args.max_len, feats, rows=rows)
-            result["compile_s"] = engine.compile()
-        except Exception:
-            errors["compile"] = traceback.format_exc(limit=8)
-    result["compile_total_s"] = time.perf_counter() - t0
-    if args.tree_check and engine is not None:
-        t = time.perf_counter()
-        try:
-            cases = [(30, 13), (61, 13), (100, 8), (200, 13)]
-            bad = tree_mismatches(engine, cases)
-            nodes = sum(T for _, T in cases)
-            result["tree_check"] = {"cases": cases, "nodes": nodes, "mismatches": bad}
-            result["tree_check"]["seconds"] = time.perf_counter() - t
-            print(f"tree check: {len(bad)} of {2 * nodes} node comparisons differ", flush=True)
-        except Exception:
-            errors["tree-check"] = traceback.format_exc(limit=8)
-    for m in methods:
-        tgt = engine if m.startswith("compiled") else target
-        if tgt is None:
-            continue
-        if m.endswith("plain"):
-            decoders[m] = Decoder(tgt, max_len=args.max_len)
-        elif m == "eager-eagle3-trees":
-            trees = [TreeConfig(*t) for t in GPU_TREES]
-            lookup = LookupConfig(max_tokens=10, streak_tokens=20)
-            decoders[m] = SpecDecoder(tgt, draft, max_len=args.max_len, tree=trees, lookup=lookup)
-        else:
-            compiled = m.startswith("compiled")
-            cap = tgt.rows[-1] - 1 if compiled else 20  # verifies fit the engine's bucket
-            k_max, copy, streak = min(8, cap), min(10, cap), min(20, cap)
-            decoders[m] = spec_decoder(tgt, draft, args.max_len, k_max, copy, streak, compile_draft=compiled)
-    warm = prompts[0][:32]
-    for m, dec in list(decoders.items()):  # warm-up: lazy init, the draft step's compile
-        t = time.perf_counter()
-        try:
-            dec.generate([warm], 16, None, eos)
-            result[f"warmup_s_{m}"] = time.perf_counter() - t
-        except Exception:
-            errors[m] = traceback.format_exc(limit=8)
-            del decoders[m]
-    runs = {m: [] for m in decoders}
-    for m, ids in alternating(list(decoders), prompts):
-        if m in errors:
-            continue
-        try:
-            runs[m].append(measure(decoders[m], ids, args.max_new_tokens, eos))
-        except Exception:
-            errors[m] = traceback.format_exc(limit=8)
-    summary = summarize({m: rs for m, rs in runs.items() if m not in errors and rs})
-    result |= {"summary": summary, "errors": errors}
-    if "eager-eagle3-trees" in decoders:  # the cycles the tuner gave each tree (warm-up included)
-        counts = decoders["eager-eagle3-trees"].policy.tree_counts
-        result["tree_cycles"] = {str(t): n for t, n in counts.items()}
-    if args.profile:
-        result["profile"] = {}
-        for m, dec in decoders.items():
+    runs: dict[str, list[dict]] = {}
+    errors: dict[str, str] = {}
+
+    def save() -> None:  # the JSON as it stands, written whole (a call cut short still returns it)
+        result["summary"] = summarize({m: rs for m, rs in runs.items() if m not in errors and rs})
+        result["errors"] = errors
+        atomic_write(out / "gpu_decode.json", json.dumps(result, indent=1))
+
+    try:
+        prompts = json.loads(Path(args.prompts).read_text())[: args.n]
+        target = load_gguf_model(args.gguf, dtype=torch.bfloat16, device=dev)
+        draft = load_draft(
+            ROOT / "eagle3" / "drafts" / "smollm2-135m-instruct", dtype=torch.bfloat16, device=dev
+        )
+        eos = target.config.eos_ids
+        feats = tuple(draft.config.feature_layers)
+        methods = [m for m in args.methods.split(",") if m]
+        decoders = {}
+        t0 = time.perf_counter()
+        engine = None
+        if any(m.startswith("compiled") for m in methods):
+            try:
+                rows = tuple(int(r) for r in args.rows.split(","))
+                engine = CompiledTarget(target, args.max_len, feats, rows=rows)
+                result["compile_s"] = engine.compile()
+            except Exception:
+                errors["compile"] = traceback.format_exc(limit=8)
+        result["compile_total_s"] = time.perf_counter() - t0
+        save()
+        if args.tree_check and engine is not None:
+            t = time.perf_counter()
+            try:
+                cases = [(30, 13), (61, 13), (100, 8), (200, 13)]
+                bad = tree_mismatches(engine, cases)
+                nodes = sum(T for _, T in cases)
+                result["tree_check"] = {"cases": cases, "nodes": nodes, "mismatches": bad}
+                result["tree_check"]["seconds"] = time.perf_counter() - t
+                print(f"tree check: {len(bad)} of {2 * nodes} node comparisons differ", flush=True)
+            except Exception:
+                errors["tree-check"] = traceback.format_exc(limit=8)
+        for m in methods:
+            tgt = engine if m.startswith("compiled") else target
+            if tgt is None:
+                continue
+            if m.endswith("plain"):
+                decoders[m] = Decoder(tgt, max_len=args.max_len)
+            elif m == "eager-eagle3-trees":
+                trees = [TreeConfig(*t) for t in GPU_TREES]
+                lookup = LookupConfig(max_tokens=10, streak_tokens=20)
+                decoders[m] = SpecDecoder(tgt, draft, max_len=args.max_len, tree=trees, lookup=lookup)
+            else:
+                compiled = m.startswith("compiled")
+                cap = tgt.rows[-1] - 1 if compiled else 20  # verifies fit the engine's bucket
+                k_max, copy, streak = min(8, cap), min(10, cap), min(20, cap)
+                decoders[m] = spec_decoder(
+                    tgt, draft, args.max_len, k_max, copy, streak, compile_draft=compiled
+                )
+        warm = prompts[0][:32]
+        for m, dec in list(decoders.items()):  # warm-up: lazy init, the draft step's compile
+            t = time.perf_counter()
+            try:
+                dec.generate([warm], 16, None, eos)
+                result[f"warmup_s_{m}"] = time.perf_counter() - t
+            except Exception:
+                errors[m] = traceback.format_exc(limit=8)
+                del decoders[m]
+        runs.update({m: [] for m in decoders})
+        save()
+        for m, ids in alternating(list(decoders), prompts):
             if m in errors:
                 continue
             try:
-                result["profile"][m] = profile_method(dec, prompts[0], args.profile, dev)
-                unit = "step" if m.endswith("plain") else "cycle"
-                print(describe_profile(m, result["profile"][m], unit), flush=True)
+                runs[m].append(measure(decoders[m], ids, args.max_new_tokens, eos))
+                r = runs[m][-1]
+                print(
+                    f"{m}: {len(r['tokens']) / r['seconds']:.1f} tok/s on prompt {len(runs[m])}", flush=True
+                )
             except Exception:
-                errors[f"profile {m}"] = traceback.format_exc(limit=8)
-    (out / "gpu_decode.json").write_text(json.dumps(result, indent=1))
+                errors[m] = traceback.format_exc(limit=8)
+            save()  # every measured prompt comes back, whatever stops the call later
+        if "eager-eagle3-trees" in decoders:  # the cycles the tuner gave each tree (warm-up included)
+            counts = decoders["eager-eagle3-trees"].policy.tree_counts
+            result["tree_cycles"] = {str(t): n for t, n in counts.items()}
+        if args.profile:
+            result["profile"] = {}
+            for m, dec in decoders.items():
+                if m in errors:
+                    continue
+                try:
+                    result["profile"][m] = profile_method(dec, prompts[0], args.profile, dev)
+                    unit = "step" if m.endswith("plain") else "cycle"
+                    print(describe_profile(m, result["profile"][m], unit), flush=True)
+                except Exception:
+                    errors[f"profile {m}"] = traceback.format_exc(limit=8)
+                save()
+    except KeyboardInterrupt:  # the device script's timeout: what was measured still goes back
+        errors["interrupted"] = "KeyboardInterrupt"
+    save()
+    summary = result["summary"]
     for m, r in summary.items():
         share = f"{100 * r['draft_share']:.1f}%" if "draft_share" in r else "-"
         print(f"{m:18s} {r['tok_s']:9.1f} tok/s  tau {r.get('tau', 0):.2f}  draft share {share}")

@@ -15,10 +15,15 @@ from maverick.tokenizer import default_gguf_path
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_decode.py"
 
 
-def test_gpu_decode_runs_the_eager_methods_and_profiles_them(tmp_path):
+def load_script():
     spec = importlib.util.spec_from_file_location("gpu_decode", SCRIPT)
     gd = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gd)
+    return gd
+
+
+def test_gpu_decode_runs_the_eager_methods_and_profiles_them(tmp_path):
+    gd = load_script()
     prompts = tmp_path / "prompts.json"
     assert gd.main(["--prepare", "--n", "1", "--prompts", str(prompts)]) == 0
     argv = ["--device", "cpu", "--gguf", str(default_gguf_path()), "--prompts", str(prompts), "--n", "1",
@@ -36,6 +41,31 @@ def test_gpu_decode_runs_the_eager_methods_and_profiles_them(tmp_path):
         prof = r["profile"][m]
         assert prof["steps"] == 2 and prof["wall_ms"] > 0 and len(prof["ops"]) == 15
         assert "device_ms" not in prof  # a CPU run: the ops' CPU time only
+
+
+def test_a_decode_call_cut_short_brings_back_what_it_measured(tmp_path, monkeypatch):
+    """The device's timeout (SIGINT) during the third measured prompt: gpu_decode.json holds the two measured
+    before it (it was written once, at the end: a call cut short brought back nothing)."""
+    gd = load_script()
+    prompts = tmp_path / "prompts.json"
+    assert gd.main(["--prepare", "--n", "2", "--prompts", str(prompts)]) == 0
+    real, calls = gd.measure, []
+
+    def cut(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(gd, "measure", cut)
+    argv = ["--device", "cpu", "--gguf", str(default_gguf_path()), "--prompts", str(prompts), "--n", "2",
+            "--max-new-tokens", "4", "--methods", "eager-plain,eager-eagle3", "--profile", "0", "--out", str(tmp_path)]  # fmt: skip
+    assert gd.main(argv) == 1
+    r = json.loads((tmp_path / "gpu_decode.json").read_text())
+    assert r["errors"] == {"interrupted": "KeyboardInterrupt"}
+    assert sorted(r["summary"]) == ["eager-eagle3", "eager-plain"] and all(
+        v["tokens"] > 0 for v in r["summary"].values()
+    )
 
 
 def test_bench_engine_profiles_its_decode_steps(capsys):
