@@ -31,6 +31,7 @@ from train.data import (
     DEFAULT_SPLIT_SEED,
     MalformedChat,
     is_heldout,
+    leaky_heldout,
     load_sharegpt,
     normalise_chat,
 )
@@ -107,17 +108,20 @@ def load_sharegpt_heldout(
     heldout_fraction: float = DEFAULT_HELDOUT_FRACTION,
     path: str | pathlib.Path | None = None,
 ) -> list[dict[str, Any]]:
-    """First user turns of the first n held-out ShareGPT conversations (file order), category "sharegpt".
+    """First user turns of the first n held-out ShareGPT conversations (file order), category "sharegpt",
+    those training saw in part left out (train.data.leaky_heldout: another part of the same chat, or a user
+    turn word for word, in the training split).
 
     seed and heldout_fraction must be the ones the draft's training split used (train/data.py
     defaults), or the "held-out" prompts may have been trained on.
     """
     conversations, _ = load_sharegpt(path)
+    leaky = leaky_heldout(conversations, heldout_fraction, seed)
     prompts = []
     for conv in conversations:
         if n is not None and len(prompts) >= n:
             break
-        if not is_heldout(conv["id"], heldout_fraction, seed):
+        if not is_heldout(conv["id"], heldout_fraction, seed) or conv["id"] in leaky:
             continue
         prompts.append(_prompt_from_messages(conv["id"], "sharegpt", conv["messages"], first_turn_only=True))
     return prompts

@@ -279,6 +279,28 @@ def _small_conversations():
     return convs
 
 
+def test_leaky_heldout_finds_the_chats_training_saw_in_part():
+    """ShareGPT cuts long chats into parts (abc_0, abc_1) and holds copies under other ids: a held-out part
+    whose sibling is in training, or whose user turn training has word for word, is no held-out chat
+    (on the default split: 220 of 355)."""
+    f, seed = 0.5, 0
+    ids = [f"c{i}" for i in range(200)]
+    held = [i for i in ids if data.is_heldout(i, f, seed)]
+    train = [i for i in ids if not data.is_heldout(i, f, seed)]
+    base = next(  # a chat cut in two: its part 0 trains, its part 1 is held out
+        b for b in (f"p{i}" for i in range(200))
+        if not data.is_heldout(f"{b}_0", f, seed) and data.is_heldout(f"{b}_1", f, seed)
+    )  # fmt: skip
+    part = f"{base}_1"
+    copy = held[0]  # asks what a training chat asks
+    convs = [{"id": i, "messages": [{"role": "user", "content": f"question {i}"}]} for i in ids]
+    convs += [{"id": f"{base}_0", "messages": [{"role": "user", "content": "part zero"}]},
+              {"id": part, "messages": [{"role": "user", "content": "and then?"}]}]  # fmt: skip
+    convs[ids.index(copy)]["messages"][0]["content"] = f"question  {train[0]}\n"  # whitespace aside
+    assert data.base_id("abc_12") == "abc" and data.base_id("abc") == "abc"
+    assert data.leaky_heldout(convs, f, seed) == {part, copy}
+
+
 def test_build_chat_dataset_and_cache(tok, tmp_path, monkeypatch):
     convs = _small_conversations()
     dd = data.build_chat_dataset(convs, tok, max_length=64, heldout_fraction=0.3, seed=1, cache_dir=tmp_path)

@@ -51,6 +51,16 @@ def test_sharegpt_heldout_uses_the_training_split():
     assert all(data.is_heldout(p["id"], data.DEFAULT_HELDOUT_FRACTION, data.DEFAULT_SPLIT_SEED) for p in ps)
     assert all(p["category"] == "sharegpt" and len(p["turns"]) == 1 and p["turns"][0].strip() for p in ps)
     assert len({p["id"] for p in ps}) == 25
+    # none that training saw in part: another part of its chat (abc_0 / abc_1), or its first turn
+    convs, _ = data.load_sharegpt()
+    train = [
+        c
+        for c in convs
+        if not data.is_heldout(c["id"], data.DEFAULT_HELDOUT_FRACTION, data.DEFAULT_SPLIT_SEED)
+    ]
+    bases = {data.base_id(c["id"]) for c in train}
+    turns = {" ".join(m["content"].split()) for c in train for m in c["messages"] if m["role"] == "user"}
+    assert not any(data.base_id(p["id"]) in bases or " ".join(p["turns"][0].split()) in turns for p in ps)
     # the same split as build_chat_dataset: a different seed gives different prompts
     other = P.load_sharegpt_heldout(n=25, seed=1)
     assert {p["id"] for p in other} != {p["id"] for p in ps}
@@ -59,7 +69,7 @@ def test_sharegpt_heldout_uses_the_training_split():
 def test_sharegpt_heldout_small_file(tmp_path):
     recs = [
         {"id": f"x{i}", "conversations": [{"from": "system", "value": "sys"}, {"from": "human", "value": f"q{i}"},
-                                          {"from": "gpt", "value": "a"}, {"from": "human", "value": "again"}]}
+                                          {"from": "gpt", "value": "a"}, {"from": "human", "value": f"again {i}"}]}
         for i in range(200)
     ]  # fmt: skip
     path = tmp_path / "s.json"

