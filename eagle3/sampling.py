@@ -37,7 +37,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from maverick.sampling import sample
+from maverick.sampling import sample, uniform
 
 __all__ = [
     "verify_chain_greedy",
@@ -123,7 +123,7 @@ def verify_chain_sampling(
     idx = draft_tokens[..., None]  # [B, k, 1]
     p_x = p[:, :k].gather(-1, idx).squeeze(-1)  # [B, k]
     q_x = q.gather(-1, idx).squeeze(-1)  # [B, k]
-    u = torch.rand(B, k, generator=generator, device=p.device, dtype=torch.float32)
+    u = uniform(B, k, generator=generator, device=p.device)
     accept = u * q_x < p_x  # [B, k]
     if lengths is not None:
         accept &= _within(lengths, k)
@@ -250,7 +250,7 @@ def verify_tree_sampling(
     m = child_idx.shape[1]
     valid = child_idx >= 0  # [N, m]
     child_tok = tokens.to(device)[child_idx.clamp_min(0)]  # [N, m]
-    u = torch.rand(N, generator=generator, device=device, dtype=torch.float32)[child_idx.clamp_min(0)]
+    u = uniform(N, generator=generator, device=device)[child_idx.clamp_min(0)]
     tiny = torch.finfo(torch.float32).tiny
     accept = torch.zeros(N, m, dtype=torch.bool, device=device)
     for r in range(m):

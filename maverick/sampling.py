@@ -72,9 +72,19 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One draw per distribution: probs [..., V] (need not be normalised) -> long [...]."""
+    """One draw per distribution: probs [..., V] (need not be normalised) -> long [...]. A generator on
+    another device than probs (a CPU one for a CUDA model) draws on its own device: the same stream."""
     flat = probs.reshape(-1, probs.shape[-1])  # [R, V]
+    if generator is not None and generator.device != flat.device:
+        drawn = torch.multinomial(flat.to(generator.device), 1, generator=generator).to(flat.device)
+        return drawn.view(probs.shape[:-1])
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def uniform(*shape: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """fp32 uniforms in [0, 1) on `device`, drawn on the generator's own device (as `sample`)."""
+    where = generator.device if generator is not None else device
+    return torch.rand(*shape, generator=generator, device=where, dtype=torch.float32).to(device)
 
 
 def add_sampling_options(parser) -> None:

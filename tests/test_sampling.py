@@ -272,6 +272,25 @@ def test_chain_verifiers_make_no_host_sync_on_cuda():
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cpu_generator_samples_a_cuda_model_with_the_cpu_stream():
+    """The commands seed a CPU generator (--seed); with the model on a GPU, multinomial and rand refused
+    it ("Expected a 'cuda' device type for generator"). Now it draws on its own device: the CPU's draws."""
+    from maverick.sampling import sample
+
+    g = torch.Generator().manual_seed(0)
+    draft = torch.randint(0, 1000, (8, 5), generator=g)
+    q = torch.softmax(torch.randn(8, 5, 1000, generator=g), -1)
+    p = torch.softmax(torch.randn(8, 6, 1000, generator=g), -1)
+    on_cpu = verify_chain_sampling(draft, q, p, torch.Generator().manual_seed(1))
+    on_gpu = verify_chain_sampling(draft.cuda(), q.cuda(), p.cuda(), torch.Generator().manual_seed(1))
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(on_cpu, on_gpu))
+    assert torch.equal(
+        sample(p, torch.Generator().manual_seed(2)), sample(p.cuda(), torch.Generator().manual_seed(2)).cpu()
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # losslessness: chain
 
