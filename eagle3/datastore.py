@@ -45,6 +45,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from maverick.cli import UserError
 from maverick.files import atomic_path
 
 FORMAT = "maverick-eagle datastore v1"
@@ -186,14 +187,14 @@ class Datastore:
             with safe_open(str(path), framework="pt") as f:
                 info = f.metadata() or {}
                 if info.get("format") != FORMAT:
-                    raise ValueError(f"{path}: not a datastore (metadata format {info.get('format')!r})")
+                    raise UserError(f"{path}: not a datastore (metadata format {info.get('format')!r})")
                 if "tokens" not in f.keys():
-                    raise ValueError(f"{path}: missing tensor 'tokens'")
+                    raise UserError(f"{path}: missing tensor 'tokens'")
                 tokens = f.get_tensor("tokens").long()
         except (OSError, SafetensorError) as exc:  # a cut-off or corrupt file
-            raise ValueError(f"{path}: cannot read the datastore ({exc})") from exc
+            raise UserError(f"{path}: cannot read the datastore ({exc})") from exc
         if tokens.dim() != 1 or (tokens.numel() and int(tokens[-1]) != _SEP):
-            raise ValueError(f"{path}: 'tokens' must be 1-D runs each ended by {_SEP}")
+            raise UserError(f"{path}: 'tokens' must be 1-D runs each ended by {_SEP}")
         settings = {
             "sizes": tuple(json.loads(info.get("sizes", "[4, 3]"))),
             "max_tokens": int(info.get("max_tokens", 10)),

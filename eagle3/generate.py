@@ -50,7 +50,10 @@ def tree_spec(text: str) -> TreeConfig:
     parts = positive_int_list(text)
     if len(parts) != 3:
         raise argparse.ArgumentTypeError(f"{text!r}: give DEPTH,TOP_K,TOKENS, such as 3,4,12")
-    return TreeConfig(*parts)
+    try:
+        return TreeConfig(*parts)
+    except ValueError as exc:  # argparse would say only "invalid tree_spec value"
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def tree_specs(text: str) -> list[TreeConfig]:

@@ -62,6 +62,12 @@ class TreeConfig:
     top_k: int = 8
     total_tokens: int = 48  # draft nodes verified per cycle (the root excluded)
 
+    def __post_init__(self) -> None:
+        if not 1 <= self.depth <= self.total_tokens or self.top_k < 1:  # T nodes reach depth T at most
+            raise UserError(
+                f"tree {self}: needs 1 <= depth <= total_tokens and top_k >= 1 (depth, top_k, total_tokens)"
+            )
+
     def __str__(self) -> str:
         """D,K,T: how the command lines write a tree (eagle3.generate --tree, eval.bench --tree-candidates)."""
         return f"{self.depth},{self.top_k},{self.total_tokens}"

@@ -509,6 +509,8 @@ def bench(args, shard) -> int:
         torch.set_num_threads(args.threads)
     check_prompts_option(args.bench, args.prompts)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:
+        raise UserError("--methods: no method given")
     check_method_names(methods)
     methods = with_references(methods, args.temperature)
     check_datastore_option(args, methods)

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from maverick import hf_llama
-from maverick.cli import UserError
+from maverick.cli import UserError, read_utf8
 from maverick.config import Llama4Config
 from maverick.files import atomic_dir
 from maverick.model import Llama4, rope_inv_freq
@@ -43,13 +43,16 @@ class CheckpointError(UserError):
 
 
 def _read_json(f: Path) -> dict:
-    """The JSON of a checkpoint's config.json or index; errors name the file."""
+    """The JSON object of a checkpoint's config.json or index; errors name the file."""
     try:
-        return json.loads(f.read_text())
+        d = json.loads(read_utf8(f))
     except FileNotFoundError:
         raise FileNotFoundError(f"no {f.name} at {f}") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{f}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{f}: expected a JSON object, got {type(d).__name__}")
+    return d
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -59,6 +62,8 @@ def _safetensors_files(path: Path) -> list[Path]:
             weight_map = _read_json(index)["weight_map"]
         except KeyError:
             raise CheckpointError(f"{index}: not a valid safetensors index (no 'weight_map')") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map must be an object of tensor name -> file name")
         files = sorted({path / f for f in weight_map.values()})
     elif (path / "model.safetensors").exists():
         files = [path / "model.safetensors"]

@@ -665,3 +665,99 @@ def test_a_training_runs_out_directory_names_its_draft(tmp_path):
         FileNotFoundError, match=rf"{tmp_path}: no draft \(config.json\) there or in {tmp_path}/draft"
     ):
         load_draft(tmp_path)
+
+
+# ---- files of the wrong shape or kind (a sweep of bad inputs, 2026-12-07) ----
+
+
+def test_answer_files_that_are_not_what_they_say_name_the_file(tmp_path):
+    """A `.xz` that is not xz read as no records (train.stage then recorded an empty regeneration as done);
+    a record that is not JSON raised a bare JSONDecodeError."""
+    from train import answers
+
+    fake = tmp_path / "a.jsonl.xz"
+    fake.write_text("hello")
+    with pytest.raises(UserError, match=f"{fake}: not an xz file"):
+        answers.read_records(fake)
+    with pytest.raises(UserError, match=f"{fake}: not an xz file"):
+        answers.repair(fake)
+    plain = tmp_path / "a.jsonl"
+    plain.write_text('{"id": "x"}\n{"id": \n[1]\n')
+    with pytest.raises(UserError, match=f"{plain}: record 2 is not JSON"):
+        answers.read_records(plain)
+    plain.write_text('{"id": "x"}\n[1]\n')
+    with pytest.raises(UserError, match=f"{plain}: record 2 is a list, not an object"):
+        answers.read_records(plain)
+
+
+def test_stage_data_names_the_users_xz_file(tmp_path):
+    from train.stage_data import read_chats
+
+    bad = tmp_path / "chats.jsonl.xz"
+    bad.write_bytes(b"\xfd7zXZ\x00cut")
+    with pytest.raises(UserError, match=f"{bad}: not a whole xz file"):
+        read_chats(str(bad))
+
+
+@pytest.mark.parametrize(
+    "file, content, says",
+    [
+        ("config.json", "[1, 2]", "config.json: expected a JSON object, got list"),
+        ("config.json", b'{"a": "\xff"}', "config.json: line 1"),
+    ],
+)
+def test_target_json_of_the_wrong_shape_is_one_line(file, content, says, tmp_path, capsys):
+    from maverick import generate
+
+    d = tmp_path / "target"
+    d.mkdir()
+    (d / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (d / file).write_bytes(content if isinstance(content, bytes) else content.encode())
+    code, err = exit_status(generate.main, ["--target", str(d), "--prompt", "hi"], capsys)
+    assert code == 2 and says in err and "Traceback" not in err
+
+
+def test_a_dump_manifest_that_is_not_an_object_names_it(tmp_path):
+    from train.dump import DumpError, read_manifest
+
+    (tmp_path / "manifest.json").write_text("[1]")
+    with pytest.raises(DumpError, match="manifest.json: expected a JSON object, got list"):
+        read_manifest(tmp_path)
+
+
+def test_a_file_that_is_no_datastore_is_one_line(tmp_path):
+    from eagle3.datastore import Datastore
+
+    bad = tmp_path / "x.safetensors"
+    save_file({"w": torch.zeros(2)}, bad)
+    with pytest.raises(UserError, match="not a datastore"):
+        Datastore.load(bad)
+    bad.write_bytes(b"not safetensors at all")
+    with pytest.raises(UserError, match="cannot read the datastore"):
+        Datastore.load(bad)
+
+
+def test_no_methods_and_trees_deeper_than_their_nodes_are_one_line(capsys, tmp_path):
+    from eagle3 import generate as spec_generate
+    from eval import bench
+
+    code, err = exit_status(
+        bench.main, ["--n", "1", "--methods", " , ", "--out", str(tmp_path / "b")], capsys
+    )
+    assert code == 2 and "--methods: no method given" in err  # it was a ZeroDivisionError
+    with pytest.raises(UserError, match="depth <= total_tokens"):
+        TreeConfig(100, 4, 12)  # a KV cache overflow mid-run before
+    with pytest.raises(SystemExit):
+        spec_generate.build_parser().parse_args(["--prompt", "hi", "--tree", "100,4,12"])
+    assert "tree 100,4,12: needs 1 <= depth <= total_tokens" in capsys.readouterr().err
+
+
+def test_a_safetensors_index_of_the_wrong_shape_names_it(tmp_path):
+    from maverick.checkpoint import CheckpointError, _safetensors_files
+
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": [1]}')
+    with pytest.raises(CheckpointError, match="index.json: weight_map must be an object"):
+        _safetensors_files(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text("[]")
+    with pytest.raises(CheckpointError, match="index.json: expected a JSON object, got list"):
+        _safetensors_files(tmp_path)

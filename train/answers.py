@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from maverick.cli import UserError
 from maverick.files import atomic_path, atomic_write
 
 
@@ -47,8 +48,12 @@ def _streams(data: bytes) -> tuple[list[bytes], int]:
     return out, pos
 
 
+XZ_MAGIC = b"\xfd7zXZ\x00"
+
+
 def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every record of the complete streams of `path` ([] if it does not exist); plain (.jsonl) files too."""
+    """Every record of the complete streams of `path` ([] if it does not exist); plain (.jsonl) files too.
+    A file that is not what its name says, or a record that is not JSON, is a UserError naming it."""
     path = Path(path)
     if not path.exists():
         return []
@@ -56,8 +61,14 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
     if not path.name.endswith(".xz"):
         texts = [data[: data.rfind(b"\n") + 1]]
     else:
+        _check_xz(path, data)
         texts, _ = _streams(data)
-    return _parse(texts)
+    return _parse(texts, path)
+
+
+def _check_xz(path: Path, data: bytes) -> None:
+    if data and not data.startswith(XZ_MAGIC):  # a cut-off write still starts with it
+        raise UserError(f"{path}: not an xz file (its name ends in .xz)")
 
 
 def repair(path: str | os.PathLike) -> tuple[list[dict[str, Any]], int]:
@@ -67,14 +78,33 @@ def repair(path: str | os.PathLike) -> tuple[list[dict[str, Any]], int]:
     if not path.exists():
         return [], 0
     data = path.read_bytes()
+    _check_xz(path, data)
     texts, end = _streams(data)
     if end < len(data):
         atomic_write(path, data[:end])
-    return _parse(texts), len(data) - end
+    return _parse(texts, path), len(data) - end
 
 
-def _parse(texts: list[bytes]) -> list[dict[str, Any]]:
-    return [json.loads(line) for t in texts for line in t.decode().splitlines() if line.strip()]
+def _parse(texts: list[bytes], path: Path) -> list[dict[str, Any]]:
+    out = []
+    n = 0
+    for t in texts:
+        try:
+            lines = t.decode("utf-8").splitlines()
+        except UnicodeDecodeError as exc:
+            raise UserError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        for line in lines:
+            n += 1
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{path}: record {n} is not JSON ({exc.msg})") from None
+            if not isinstance(rec, dict):
+                raise UserError(f"{path}: record {n} is a {type(rec).__name__}, not an object")
+            out.append(rec)
+    return out
 
 
 def append(path: str | os.PathLike, records: Iterable[Mapping[str, Any]], preset: int = 6) -> int:

@@ -59,6 +59,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
@@ -703,7 +704,11 @@ class _Run:
     # ---- checkpoints ----
     def restore(self, ck: Path) -> int:
         """Load a checkpoint (before `accelerate.prepare`); returns its step."""
-        state = torch.load(ck / STATE_FILE, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(ck / STATE_FILE, map_location="cpu", weights_only=True)
+        except (RuntimeError, OSError, EOFError) as exc:  # cut short by a full disk or a copy
+            raise UserError(f"{ck / STATE_FILE}: a truncated or corrupt checkpoint ({exc}); delete {ck} "
+                            "to resume from the one before it") from None  # fmt: skip
         saved = state["config"]
         # a key newer than the checkpoint reads as its default (a run saved before `eagle31` existed had none)
         was = {k: saved.get(k, FitConfig.__dataclass_fields__[k].default) for k in RESUME_KEYS}
@@ -717,7 +722,11 @@ class _Run:
             raise UserError(
                 f"{ck / STATE_FILE}: the checkpoint was trained on other data or another global batch"
             )
-        sd = load_file(str(ck / "draft" / "model.safetensors"))
+        try:
+            sd = load_file(str(ck / "draft" / "model.safetensors"))
+        except (SafetensorError, OSError) as exc:
+            raise UserError(f"{ck / 'draft' / 'model.safetensors'}: a truncated or corrupt checkpoint ({exc}); "
+                            f"delete {ck} to resume from the one before it") from None  # fmt: skip
         if not torch.equal(sd["d2t"], self.draft.d2t.cpu()):
             raise UserError(
                 f"{ck}: its draft vocabulary is not this run's (an --init-draft run keeps the init draft's "

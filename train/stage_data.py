@@ -137,8 +137,14 @@ def read_chats(path: str) -> list[dict[str, Any]]:
         return load_chats(path)
     with tempfile.TemporaryDirectory() as d:
         plain = Path(d) / Path(path).name.removesuffix(".xz")
-        plain.write_bytes(lzma.decompress(Path(path).read_bytes()))
-        return load_chats(plain)
+        try:
+            plain.write_bytes(lzma.decompress(Path(path).read_bytes()))
+        except lzma.LZMAError as exc:
+            raise UserError(f"{path}: not a whole xz file ({exc})") from None
+        try:
+            return load_chats(plain)
+        except UserError as exc:  # its messages name the decompressed copy
+            raise UserError(str(exc).replace(str(plain), path)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
