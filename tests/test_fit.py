@@ -322,6 +322,19 @@ def test_stopped_and_resumed_log_equals_the_uninterrupted_one(tiny, tmp_path):
     assert [r["loss"] for r in records(cut)] == [r["loss"] for r in records(tmp_path / "full")]
 
 
+def test_a_truncated_checkpoint_on_resume_is_one_line(tiny, tmp_path):
+    """A training state or checkpoint draft cut short (a full disk, a copy) stopped --resume with a zip or
+    safetensors traceback; now a UserError naming the file and saying what to delete."""
+    from maverick.cli import UserError
+
+    run(tiny, tmp_path, steps=2, checkpoint_every=2)
+    ck = tmp_path / "checkpoints" / "step-0000002"
+    state = ck / "training_state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    with pytest.raises(UserError, match=f"{state}: a truncated or corrupt checkpoint .*delete {ck}"):
+        run(tiny, tmp_path, steps=4, checkpoint_every=2, resume="auto")
+
+
 def test_grad_accumulation_equals_one_big_batch(tiny, tmp_path):
     run(tiny, tmp_path / "a", steps=3, batch_size=4)
     run(tiny, tmp_path / "b", steps=3, batch_size=2, grad_accum=2)
