@@ -210,11 +210,15 @@ def answer_text(tok, ids: list[int], eos: Sequence[int]) -> str:
 
 
 def check_prompts_option(bench: str, prompts: str | None) -> None:
-    """A command's `--bench jsonl` needs its `--prompts` file: say so before any model loads."""
+    """A command's `--bench jsonl` needs its `--prompts` file, and --prompts is read by jsonl (or
+    sharegpt-heldout: another ShareGPT file) only: say so before any model loads (a --prompts file given
+    without --bench jsonl ran MT-bench without a word)."""
     if bench == "jsonl" and not prompts:
         raise UserError(
             "--bench jsonl needs --prompts FILE (a JSONL of prompts: 'prompt', 'turns' or 'messages')"
         )
+    if prompts and bench not in ("jsonl", "sharegpt-heldout"):
+        raise UserError(f"--prompts is read with --bench jsonl (or sharegpt-heldout), not --bench {bench}")
 
 
 def load_benchmark(

