@@ -18,12 +18,11 @@ These are the prompt sets of the EAGLE papers (MT-bench, HumanEval) plus an in-d
 from __future__ import annotations
 
 import gzip
-import json
 import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from maverick.cli import UserError, read_utf8
+from maverick.cli import UserError, jsonl_objects, read_utf8
 from maverick.tokenizer import encode_chat
 from maverick.wheel_data import wheel_data_path
 from train.data import (
@@ -50,27 +49,11 @@ HUMANEVAL_INSTRUCTION = (
 BENCHMARKS = ("mtbench", "humaneval", "sharegpt-heldout", "jsonl")
 
 
-def _read_jsonl(path: pathlib.Path, text: str) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, object) for each non-empty line; errors name the file and line."""
-    out = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{path}: line {n}: invalid JSON: {exc.msg} (column {exc.colno})") from exc
-        if not isinstance(obj, Mapping):
-            raise UserError(f"{path}: line {n}: expected a JSON object, got {type(obj).__name__}")
-        out.append((n, obj))
-    return out
-
-
 def load_mtbench() -> list[dict[str, Any]]:
     """The 80 MT-bench questions (2 turns each), ids "81".."160", in file order."""
     path = wheel_data_path(MTBENCH_PACKAGE, MTBENCH_RELPATH, MTBENCH_PIP_INSTALL)
     prompts = []
-    for n, obj in _read_jsonl(path, read_utf8(path)):
+    for n, obj in jsonl_objects(path, read_utf8(path)):
         try:
             prompts.append(
                 {"id": str(obj["question_id"]), "category": obj["category"], "turns": list(obj["turns"])}
@@ -87,7 +70,7 @@ def load_humaneval() -> list[dict[str, Any]]:
     with gzip.open(path, "rt", encoding="utf-8") as f:
         text = f.read()
     prompts = []
-    for n, obj in _read_jsonl(path, text):
+    for n, obj in jsonl_objects(path, text):
         try:
             code = obj["prompt"]
             prompts.append(
@@ -156,7 +139,7 @@ def load_jsonl_prompts(path: str | pathlib.Path) -> list[dict[str, Any]]:
         raise FileNotFoundError(f"prompt file not found: {path}")
     prompts = []
     lines: dict[str, int] = {}  # id -> the line that gave it
-    for n, obj in _read_jsonl(path, read_utf8(path)):
+    for n, obj in jsonl_objects(path, read_utf8(path)):
         where = f"{path}: line {n}"
         raw_id = next((obj[k] for k in ("id", "question_id", "task_id") if k in obj), None)
         prompt_id = f"{path.stem}:{n}" if raw_id is None else str(raw_id)

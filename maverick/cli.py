@@ -32,6 +32,7 @@ shared `--threads`.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -86,6 +87,22 @@ def user_message(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
         return f"{exc.filename}: {exc.strerror}"
     return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def jsonl_objects(path: str | os.PathLike, text: str) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, object) for each non-empty line of a JSONL text; errors name the file and line."""
+    out = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}: line {n}: invalid JSON: {exc.msg} (column {exc.colno})") from exc
+        if not isinstance(obj, dict):
+            raise UserError(f"{path}: line {n}: expected a JSON object, got {type(obj).__name__}")
+        out.append((n, obj))
+    return out
 
 
 def read_utf8(path: str | os.PathLike) -> str:

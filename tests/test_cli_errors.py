@@ -683,10 +683,10 @@ def test_answer_files_that_are_not_what_they_say_name_the_file(tmp_path):
         answers.repair(fake)
     plain = tmp_path / "a.jsonl"
     plain.write_text('{"id": "x"}\n{"id": \n[1]\n')
-    with pytest.raises(UserError, match=f"{plain}: record 2 is not JSON"):
+    with pytest.raises(UserError, match=f"{plain}: line 2: invalid JSON"):
         answers.read_records(plain)
     plain.write_text('{"id": "x"}\n[1]\n')
-    with pytest.raises(UserError, match=f"{plain}: record 2 is a list, not an object"):
+    with pytest.raises(UserError, match=f"{plain}: line 2: expected a JSON object, got list"):
         answers.read_records(plain)
 
 

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from maverick.cli import UserError
+from maverick.cli import UserError, jsonl_objects
 from maverick.files import atomic_path, atomic_write
 
 
@@ -86,25 +86,11 @@ def repair(path: str | os.PathLike) -> tuple[list[dict[str, Any]], int]:
 
 
 def _parse(texts: list[bytes], path: Path) -> list[dict[str, Any]]:
-    out = []
-    n = 0
-    for t in texts:
-        try:
-            lines = t.decode("utf-8").splitlines()
-        except UnicodeDecodeError as exc:
-            raise UserError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-        for line in lines:
-            n += 1
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path}: record {n} is not JSON ({exc.msg})") from None
-            if not isinstance(rec, dict):
-                raise UserError(f"{path}: record {n} is a {type(rec).__name__}, not an object")
-            out.append(rec)
-    return out
+    try:
+        text = b"".join(texts).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    return [obj for _, obj in jsonl_objects(path, text)]
 
 
 def append(path: str | os.PathLike, records: Iterable[Mapping[str, Any]], preset: int = 6) -> int:
