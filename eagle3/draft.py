@@ -43,7 +43,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from maverick.checkpoint import check_state_dict
-from maverick.cli import UserError, read_utf8
+from maverick.cli import UserError, read_json_object
 from maverick.config import Llama4Config, check_numbers, rope_scaling_problem
 from maverick.files import atomic_dir
 from maverick.kv_cache import KVCache, attention_mask
@@ -443,7 +443,7 @@ def load_draft(
     is not part of the draft is an error here too, as it is there). Errors name the file and key."""
     path = draft_dir(path)
     cfg_file = path / "config.json"
-    cfg = DraftConfig.from_hf_dict(read_json(cfg_file), source=str(cfg_file))
+    cfg = DraftConfig.from_hf_dict(read_json_object(cfg_file), source=str(cfg_file))
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors file in draft directory {path}")
@@ -490,14 +490,6 @@ def draft_dir(path: str | os.PathLike) -> Path:
         if (p / "config.json").is_file():
             return p
     raise FileNotFoundError(f"{path}: no draft (config.json) there or in {path / 'draft'}")
-
-
-def read_json(path: Path) -> dict:
-    """A JSON file; invalid JSON or bytes that are not UTF-8 are a UserError naming the file and line."""
-    try:
-        return json.loads(read_utf8(path))
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}: invalid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from exc
 
 
 def read_safetensors(f: Path) -> dict[str, Tensor]:

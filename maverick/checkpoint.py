@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from maverick import hf_llama
-from maverick.cli import UserError, read_utf8
+from maverick.cli import UserError, read_json_object
 from maverick.config import Llama4Config
 from maverick.files import atomic_dir
 from maverick.model import Llama4, rope_inv_freq
@@ -44,15 +44,9 @@ class CheckpointError(UserError):
 
 def _read_json(f: Path) -> dict:
     """The JSON object of a checkpoint's config.json or index; errors name the file."""
-    try:
-        d = json.loads(read_utf8(f))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"no {f.name} at {f}") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{f}: not valid JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise CheckpointError(f"{f}: expected a JSON object, got {type(d).__name__}")
-    return d
+    if not f.is_file():
+        raise FileNotFoundError(f"no {f.name} at {f}")
+    return read_json_object(f, CheckpointError)
 
 
 def _safetensors_files(path: Path) -> list[Path]:

@@ -89,6 +89,18 @@ def user_message(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+def read_json_object(path: str | os.PathLike, error: type[UserError] = UserError) -> dict[str, Any]:
+    """The JSON object of a UTF-8 file; invalid JSON, another JSON value or bytes that are not UTF-8 are an
+    `error` naming the file (and the line)."""
+    try:
+        d = json.loads(read_utf8(path))
+    except json.JSONDecodeError as exc:
+        raise error(f"{path}: invalid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+    if not isinstance(d, dict):
+        raise error(f"{path}: expected a JSON object, got {type(d).__name__}")
+    return d
+
+
 def jsonl_objects(path: str | os.PathLike, text: str) -> list[tuple[int, dict[str, Any]]]:
     """(line number, object) for each non-empty line of a JSONL text; errors name the file and line."""
     out = []

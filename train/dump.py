@@ -63,7 +63,7 @@ from maverick.cli import (
     int_list,
     output_dir,
     positive_int,
-    read_utf8,
+    read_json_object,
     run_cli,
 )
 from maverick.files import atomic_path, atomic_write, remove_leftovers
@@ -214,12 +214,7 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     path = Path(directory) / MANIFEST
     if not path.is_file():
         raise DumpError(f"{path}: no manifest; not a dump directory (make one with python -m train.dump)")
-    try:
-        manifest = json.loads(read_utf8(path))
-    except json.JSONDecodeError as exc:
-        raise DumpError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from exc
-    if not isinstance(manifest, dict):
-        raise DumpError(f"{path}: expected a JSON object, got {type(manifest).__name__}")
+    manifest = read_json_object(path, DumpError)
     if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
         raise DumpError(
             f"{path}: format {manifest.get('format')!r} version {manifest.get('version')!r}, "

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from eagle3.draft import NORM_VARIANTS, DraftConfig, Eagle3Draft, load_draft, read_json, save_draft
+from eagle3.draft import NORM_VARIANTS, DraftConfig, Eagle3Draft, load_draft, save_draft
 from eagle3.draft import draft_dir as find_draft_dir
 from eagle3.vocab import count_tokens
 from maverick.cli import (
@@ -61,6 +61,7 @@ from maverick.cli import (
     output_dir,
     positive_float,
     positive_int,
+    read_json_object,
     run_cli,
     share,
 )
@@ -626,7 +627,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.init_draft:
         init = draft_dir(Path(args.init_draft))
         if args.grow_vocab:  # before any regeneration: a bad size would otherwise stop the stage at training
-            c = DraftConfig.from_hf_dict(read_json(init / "config.json"), str(init / "config.json"))
+            c = DraftConfig.from_hf_dict(read_json_object(init / "config.json"), str(init / "config.json"))
             if not c.draft_vocab_size <= args.grow_vocab <= c.vocab_size:
                 raise StageError(
                     f"--grow-vocab {args.grow_vocab}: the init draft has {c.draft_vocab_size} tokens and the "
