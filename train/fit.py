@@ -59,11 +59,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from eagle3.draft import NORM_VARIANTS, DraftConfig, Eagle3Draft, load_draft, save_draft
+from eagle3.draft import NORM_VARIANTS, DraftConfig, Eagle3Draft, load_draft, read_safetensors, save_draft
 from eagle3.vocab import grow_draft_vocab
 from maverick.cli import (
     UserError,
@@ -722,11 +720,7 @@ class _Run:
             raise UserError(
                 f"{ck / STATE_FILE}: the checkpoint was trained on other data or another global batch"
             )
-        try:
-            sd = load_file(str(ck / "draft" / "model.safetensors"))
-        except (SafetensorError, OSError) as exc:
-            raise UserError(f"{ck / 'draft' / 'model.safetensors'}: a truncated or corrupt checkpoint ({exc}); "
-                            f"delete {ck} to resume from the one before it") from None  # fmt: skip
+        sd = read_safetensors(ck / "draft" / "model.safetensors")  # a corrupt one: a UserError naming it
         if not torch.equal(sd["d2t"], self.draft.d2t.cpu()):
             raise UserError(
                 f"{ck}: its draft vocabulary is not this run's (an --init-draft run keeps the init draft's "
