@@ -11,43 +11,81 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from maverick.cli import (
-    output_file,
-    positive_int,
-    run_cli,
-)
+from maverick.cli import UserError, output_file, positive_int, read_utf8, run_cli
 from maverick.files import atomic_path
 from train.fit import LOG_FILE
 
 
 def read_log(run: str | os.PathLike) -> list[dict]:
+    """The records of a train.fit log, each checked for its step, loss and acc_i; a last line cut off
+    mid-write (a run still training, or killed) is dropped with a word on stderr."""
     path = Path(run) if str(run).endswith(".jsonl") else Path(run) / LOG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no training log (train_log.jsonl of python -m train.fit)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [(n, line) for n, line in enumerate(read_utf8(path).splitlines(), start=1) if line.strip()]
+    records = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if i == len(lines) - 1 and i > 0:
+                print(f"{path}: line {n}: cut off mid-write, left out", file=sys.stderr)
+                break
+            raise UserError(f"{path}: line {n}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+        records.append(_checked_record(path, n, rec))
+    if not records:
+        raise UserError(f"{path}: no log records (the run has not logged a step yet)")
+    return records
+
+
+def _checked_record(path: Path, n: int, rec: object) -> dict:
+    where = f"{path}: line {n}"
+    if not isinstance(rec, dict):
+        raise UserError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    for key in ("step", "loss", "acc_i"):
+        if key not in rec:
+            raise UserError(f"{where}: no {key!r} (not a train.fit log record)")
+    if not isinstance(rec["step"], int) or isinstance(rec["step"], bool):
+        raise UserError(f"{where}: 'step' is {rec['step']!r}, not an integer")
+    if not _is_number(rec["loss"]):
+        raise UserError(f"{where}: 'loss' is {rec['loss']!r}, not a number")
+    acc = rec["acc_i"]
+    if not isinstance(acc, list) or not acc or not _is_number(acc[0]):
+        raise UserError(f"{where}: 'acc_i' is {acc!r}, not a list of numbers")
+    return rec
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def windows(logs: dict[str, list[dict]], window: int) -> list[dict]:
-    """Per window of optimizer steps (over the steps all runs have): mean loss and step-0 agreement of each
-    run, and each run's loss relative to the first run's (0.01 = 1% higher)."""
-    n = min(len(r) for r in logs.values())
+    """Per window of --window logged steps that every run has (runs logged at other intervals are compared
+    at the steps they share): mean loss and step-0 agreement of each run, and each run's loss relative to
+    the first run's (0.01 = 1% higher)."""
+    by_step = {name: {r["step"]: r for r in recs} for name, recs in logs.items()}
     names = list(logs)
+    steps = sorted(set.intersection(*(set(d) for d in by_step.values())))
+    if not steps:
+        spans = ", ".join(f"{n}: steps {recs[0]['step']}-{recs[-1]['step']}" for n, recs in logs.items())
+        raise UserError(f"the runs share no logged step ({spans})")
     rows = []
-    for lo in range(0, n, window):
-        hi = min(n, lo + window)
-        row = {"steps": (logs[names[0]][lo]["step"], logs[names[0]][hi - 1]["step"])}
+    for lo in range(0, len(steps), window):
+        chunk = steps[lo : lo + window]
+        row = {"steps": (chunk[0], chunk[-1])}
         for name in names:
-            recs = logs[name][lo:hi]
+            recs = [by_step[name][s] for s in chunk]
             row[name] = {
                 "loss": sum(r["loss"] for r in recs) / len(recs),
                 "acc0": sum(r["acc_i"][0] for r in recs) / len(recs),
             }
         base = row[names[0]]["loss"]
         for name in names:
-            row[name]["rel_loss"] = row[name]["loss"] / base - 1
+            row[name]["rel_loss"] = row[name]["loss"] / base - 1 if base else float("nan")
         rows.append(row)
     return rows
 

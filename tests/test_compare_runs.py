@@ -7,6 +7,7 @@ import json
 import pytest
 
 from eval.compare_runs import main, read_log, windows
+from maverick.cli import run_cli
 
 
 def write_log(path, losses, accs):
@@ -34,3 +35,49 @@ def test_windows_and_plot(tmp_path):
 def test_missing_log_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope/train_log.jsonl"):
         read_log(tmp_path / "nope")
+
+
+def test_runs_logged_at_other_intervals_are_compared_at_shared_steps(tmp_path):
+    write_log(tmp_path / "a", [10, 8, 6, 4, 2, 1], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6])  # steps 1..6
+    (tmp_path / "b").mkdir()  # logged every 2 steps: 2, 4, 6
+    recs = [{"step": s, "loss": lo, "acc_i": [0.5]} for s, lo in ((2, 16.0), (4, 8.0), (6, 2.0))]
+    (tmp_path / "b" / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rows = windows({"a": read_log(tmp_path / "a"), "b": read_log(tmp_path / "b")}, 2)
+    assert [r["steps"] for r in rows] == [(2, 4), (6, 6)]
+    assert rows[0]["a"]["loss"] == 6 and rows[0]["b"]["loss"] == 12 and rows[0]["b"]["rel_loss"] == 1
+    assert rows[1]["b"]["rel_loss"] == 1
+
+
+def test_a_cut_last_line_is_left_out_and_bad_records_are_named(tmp_path, capsys):
+    write_log(tmp_path / "a", [10, 8, 6], [0.1, 0.2, 0.3])
+    log = tmp_path / "a" / "train_log.jsonl"
+    log.write_text(log.read_text() + '{"step": 4, "lo')  # a run still writing
+    assert [r["step"] for r in read_log(tmp_path / "a")] == [1, 2, 3]
+    assert "line 4: cut off mid-write" in capsys.readouterr().err
+    cases = {
+        '{"step": 1, "loss": 2.0}\n': "line 1: no 'acc_i'",
+        '{"step": "1", "loss": 2.0, "acc_i": [0.5]}\n': "'step' is '1', not an integer",
+        '{"step": 1, "loss": null, "acc_i": [0.5]}\n': "'loss' is None, not a number",
+        '{"step": 1, "loss": 1.0, "acc_i": []}\n': "'acc_i' is [], not a list",
+        '[1, 2]\n{"step": 1, "loss": 1.0, "acc_i": [0.5]}\n': "line 1: expected a JSON object",
+        'x\n{"step": 1, "loss": 1.0, "acc_i": [0.5]}\n': "line 1: invalid JSON",
+        "\n": "no log records",
+    }
+    for text, message in cases.items():
+        log.write_text(text)
+        with pytest.raises(SystemExit) as exc:
+            run_cli(main, [str(tmp_path / "a"), str(tmp_path / "a")])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and str(log) in err, (text, err)
+
+
+def test_runs_without_a_shared_step_are_refused(tmp_path, capsys):
+    write_log(tmp_path / "a", [10, 8], [0.1, 0.2])
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "train_log.jsonl").write_text(
+        json.dumps({"step": 10, "loss": 1.0, "acc_i": [0.5]}) + "\n"
+    )
+    with pytest.raises(SystemExit) as exc:
+        run_cli(main, [str(tmp_path / "a"), str(tmp_path / "b")])
+    assert exc.value.code == 2 and "share no logged step" in capsys.readouterr().err
