@@ -28,6 +28,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     # not mkstemp: its file is private (0600) and the rename would keep that
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    _named_by(path, tmp.touch)  # a folder we may not write in fails here, named by the file asked for
     try:
         yield tmp
         with open(tmp, "rb+") as f:
@@ -36,6 +37,14 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         _fsync_dir(path.parent)  # the rename itself
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _named_by(path: Path, make) -> None:
+    """Create a temporary file or folder; an OSError names `path`, not the temporary name the user never gave."""
+    try:
+        make()
+    except OSError as exc:
+        raise type(exc)(exc.errno, exc.strerror, str(path)) from None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -55,7 +64,7 @@ def atomic_dir(path: str | os.PathLike, tmp_prefix: str | None = None) -> Iterat
     path.parent.mkdir(parents=True, exist_ok=True)
     # not mkdtemp: its folder is private (0700), and a draft or checkpoint is for others to read too
     tmp = path.with_name(f"{tmp_prefix or path.name + '.tmp-'}{os.getpid()}-{secrets.token_hex(4)}")
-    tmp.mkdir()
+    _named_by(path, tmp.mkdir)
     old = tmp.with_name(tmp.name + "-old")
     try:
         yield tmp

@@ -2,10 +2,13 @@
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
+from eval.compare_runs import main as compare_runs
+from maverick.cli import run_cli
 from maverick.files import atomic_dir, atomic_path, atomic_write, remove_leftovers
 
 
@@ -104,3 +107,20 @@ def test_leftovers_are_only_this_modules_and_a_folder_moved_aside_comes_back(tmp
     assert [p.name for p in gone] == ["draft.tmp-123-0a1b2c3d"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["draft", "notes.tmp-2024.txt"]
     assert (tmp_path / "draft" / "config.json").read_text() == "{}"
+
+
+UNWRITABLE = Path("/sys")  # sysfs refuses new files, root or not
+
+
+@pytest.mark.skipif(not UNWRITABLE.is_dir(), reason="needs Linux sysfs")
+def test_an_unwritable_place_is_named_by_the_path_asked_for(tmp_path, capsys):
+    for write in (lambda p: atomic_write(p, "{}"), lambda p: atomic_dir(p).__enter__()):
+        with pytest.raises(PermissionError) as exc:
+            write(UNWRITABLE / "maverick-test.json")
+        assert exc.value.filename == str(UNWRITABLE / "maverick-test.json")
+    log = tmp_path / "train_log.jsonl"
+    log.write_text('{"step": 1, "loss": 1.0, "acc_i": [0.5]}\n')
+    with pytest.raises(SystemExit) as exc:
+        run_cli(compare_runs, [str(log), "--out", str(UNWRITABLE / "curve.png")])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == f"error: {UNWRITABLE / 'curve.png'}: Permission denied\n"
