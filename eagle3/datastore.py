@@ -205,6 +205,15 @@ class Datastore:
         return store
 
 
+def is_datastore(path: str | Path) -> bool:
+    """Whether `path` is a safetensors file that `Datastore.save` wrote (its metadata's format)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("format") == FORMAT
+    except (OSError, SafetensorError):
+        return False
+
+
 def _keys(grams: Tensor) -> Tensor:
     """[M, n] token ids (each < 2^16) -> [M] int64 keys, ordered as the n-grams are lexicographically.
     The first token is offset so that a 4-gram's key stays within a signed 64-bit int."""

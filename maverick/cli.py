@@ -249,6 +249,13 @@ def output_file(text: str) -> Path:
     return Path(text)
 
 
+def refuse_foreign_output(path: Path, is_ours: Callable[[Path], bool], what: str) -> None:
+    """A file already at --out is replaced only when it is `what` this command writes (a rerun); anything
+    else there (a draft's weights, a user's notes) is a UserError naming it, before any work."""
+    if path.is_file() and path.stat().st_size and not is_ours(path):
+        raise UserError(f"{path}: already exists and is not {what}; delete it or give another --out")
+
+
 def add_threads_option(parser: argparse.ArgumentParser) -> None:
     """`--threads N` (N >= 1): torch's CPU threads; the entry point calls `torch.set_num_threads` with it."""
     parser.add_argument(

@@ -9,11 +9,13 @@ from collections import Counter
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from eagle3.datastore import Datastore
 from eagle3.lookup import LookupConfig
 from eagle3.spec import SpecDecoder
 from eagle3.tuner import DraftLengthTuner, FixedK
+from maverick.cli import UserError
 from maverick.generate import Decoder
 from tests.test_lookup import repetitive_prompts
 from tests.test_spec import make_draft, make_target
@@ -211,7 +213,13 @@ def test_builder_cli(tmp_path):
     ]  # fmt: skip
     chats.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "store.safetensors"
+    weights = tmp_path / "model.safetensors"  # a draft's weights, say: kept, and named
+    save_file({"w": torch.ones(2)}, str(weights))
+    with pytest.raises(UserError, match=f"{weights}: already exists and is not a datastore"):
+        main(["--data", str(chats), "--out", str(weights), "--heldout-fraction", "0"])
+    assert load_file(str(weights))["w"].tolist() == [1.0, 1.0]
     main(["--data", str(chats), "--out", str(out), "--heldout-fraction", "0"])
+    main(["--data", str(chats), "--out", str(out), "--heldout-fraction", "0"])  # a rerun replaces its store
     store = Datastore.load(out)
     assert store.n_runs == 3  # one run per assistant turn
     from maverick.tokenizer import load_tokenizer

@@ -211,6 +211,11 @@ def test_stage_data_folds_in_a_stages_answers(tmp_path):
     answers.write(stage_answers, [{"id": held, "prompts": [[1]], "answers": [[2]]}])
     with pytest.raises(UserError, match=f"{held}: an answered conversation of the held-out split"):
         stage_data(["--out", str(out), "--chats", str(chats), "--answers", str(stage_answers)])
+    notes = tmp_path / "notes.jsonl.xz"  # not this command's: kept, and named
+    notes.write_text("my notes\n")
+    with pytest.raises(UserError, match=f"{notes}: already exists and is not an xz file"):
+        stage_data(["--out", str(notes), "--chats", str(chats)])
+    assert notes.read_text() == "my notes\n"
 
 
 def test_stage_continues_answered_chats_after_their_answers(tmp_path):

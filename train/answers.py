@@ -51,6 +51,12 @@ def _streams(data: bytes) -> tuple[list[bytes], int]:
 XZ_MAGIC = b"\xfd7zXZ\x00"
 
 
+def is_xz(path: str | os.PathLike) -> bool:
+    """Whether the file starts as an xz stream does."""
+    with open(path, "rb") as f:
+        return f.read(len(XZ_MAGIC)) == XZ_MAGIC
+
+
 def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Every record of the complete streams of `path` ([] if it does not exist); plain (.jsonl) files too.
     A file that is not what its name says, or a record that is not JSON, is a UserError naming it."""

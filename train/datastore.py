@@ -19,7 +19,7 @@ import argparse
 import logging
 import time
 
-from eagle3.datastore import MAX_SIZE, Datastore
+from eagle3.datastore import MAX_SIZE, Datastore, is_datastore
 from maverick.cli import (
     UserError,
     heldout_fraction,
@@ -27,6 +27,7 @@ from maverick.cli import (
     output_file,
     positive_int,
     positive_int_list,
+    refuse_foreign_output,
     run_cli,
 )
 from train.data import DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED, is_heldout, load_chats, render_chat
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if max(args.sizes) > MAX_SIZE:
         raise UserError(f"--sizes {','.join(map(str, args.sizes))}: n-gram sizes go up to {MAX_SIZE}")
+    refuse_foreign_output(args.out, is_datastore, "a datastore")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from maverick.tokenizer import load_tokenizer
 

@@ -44,6 +44,7 @@ from maverick.cli import (
     nonnegative_int,
     output_file,
     positive_int,
+    refuse_foreign_output,
     run_cli,
 )
 from maverick.tokenizer import encode_chat, load_tokenizer
@@ -166,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--gguf", default=None, help="the tokenizer's GGUF (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--max-conversations", type=positive_int, default=None)
     args = ap.parse_args(argv)
+    refuse_foreign_output(args.out, answer_file.is_xz, "an xz file")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     tok = load_tokenizer(args.gguf)
     convs = [c for f in args.chats for c in read_chats(f)] if args.chats else load_sharegpt()[0]
