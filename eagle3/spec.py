@@ -457,6 +457,8 @@ class SpecDecoder:
         if drafted:
             self.policy.record_acceptance(k, drafted if len(drafted) > 1 else drafted[0])
         copied_tokens = sum(a + 1 for a, u, v in zip(acc_l, use_draft, live) if v and not u)
+        if not any(use_draft) and hasattr(self.policy, "record_catch_up"):  # a copy's cost besides its verify
+            self.policy.record_catch_up(K + 1, (t1 - t0) + (t3 - t2))
         if copied_tokens and hasattr(self.policy, "record_cycle"):  # the realised rate counts them too
             self.policy.record_cycle(copied_tokens, 0.0 if any(use_draft) else (t1 - t0) + (t3 - t2))
         stats.cycles += 1

@@ -348,6 +348,9 @@ class DraftLengthTuner(_Policy):
         self._copy_probe_up = True
         self.draft_cost = LinearCost(cost_ema, single="proportional", window=cost_window)
         self.verify_cost = LinearCost(cost_ema, single="flat", window=cost_window)
+        # a cycle without draft forwards (k = 0, or every row copied) still has the draft catch up on its
+        # accepted tokens: that time, by verify size (record_catch_up; k = 0: size 1)
+        self.catch_up_cost = LinearCost(cost_ema, single="flat", window=cost_window)
         self._probe_up = True
 
         self.tree_configs = list(tree_configs)
@@ -376,8 +379,9 @@ class DraftLengthTuner(_Policy):
         return self.accept.expected_tokens(k)
 
     def cycle_time(self, k: int) -> float:
-        """T(k) = draft_time(k) + verify_time(k + 1) from the measured costs (needs both measured)."""
-        draft = 0.0 if k == 0 else self.draft_cost.predict(k)
+        """T(k) = draft_time(k) + verify_time(k + 1) from the measured costs (needs both measured); k = 0's
+        draft time is its catch-up, once measured."""
+        draft = self._catch_up(1) if k == 0 else self.draft_cost.predict(k)
         return max(draft + self.verify_cost.predict(k + 1), 1e-12)
 
     def tokens_per_s(self) -> dict[int, float] | None:
@@ -424,10 +428,21 @@ class DraftLengthTuner(_Policy):
         self._probe_up = not self._probe_up
         return _neighbour(self.choices, k, up=not self._probe_up)
 
+    def _catch_up(self, n_tokens: int) -> float:
+        return self.catch_up_cost.predict(n_tokens) if self.catch_up_cost.measured else 0.0
+
     def record_draft(self, k: int, seconds: float) -> None:
         super().record_draft(k, seconds)
         if k > 0:
             self.draft_cost.record(k, seconds)
+        else:  # no draft forward: the catch-up on the one accepted token
+            self.catch_up_cost.record(1, seconds)
+
+    def record_catch_up(self, n_tokens: int, seconds: float) -> None:
+        """The time outside the verify of a cycle whose rows all copied their drafts (a verify of n_tokens):
+        the draft catching up on what was accepted. Only the copy length's choice uses it; the realised
+        rate gets it through record_cycle."""
+        self.catch_up_cost.record(n_tokens, seconds)
 
     def record_verify(self, n_tokens: int, seconds: float) -> None:
         super().record_verify(n_tokens, seconds)
@@ -439,8 +454,9 @@ class DraftLengthTuner(_Policy):
     # -- prompt-lookup copies ---------------------------------------------------------------
 
     def choose_copy(self, lengths: Sequence[int], streak: bool = False) -> int:
-        """How many tokens a prompt-lookup copy drafts, of `lengths`: the most expected tokens per second of
-        verify, E(L) / verify_time(L + 1) (a copy costs no draft forward). Copies are all or nothing (most
+        """How many tokens a prompt-lookup copy drafts, of `lengths`: the most expected tokens per second,
+        E(L) / (verify_time(L + 1) + catch_up(L + 1)) (a copy costs no draft forward, but the draft catches
+        up on what was accepted: a fixed cost per cycle that favours longer copies). Copies are all or nothing (most
         are either rejected at the first token or accepted whole) and a copy after one accepted in full
         (`streak`) is accepted far more often, so each kind has its own acceptance per position. A verify
         cost that grows with its rows (the compiled 4-bit engine: 6.9 ms for 2 rows, 17.5 for 12) makes
@@ -455,7 +471,10 @@ class DraftLengthTuner(_Policy):
         if unmeasured:
             return unmeasured[-1]
         best = max(
-            lengths, key=lambda n: acc.expected_tokens(n) / max(self.verify_cost.predict(n + 1), 1e-12)
+            lengths,
+            key=lambda n: (
+                acc.expected_tokens(n) / max(self.verify_cost.predict(n + 1) + self._catch_up(n + 1), 1e-12)
+            ),
         )
         if self.copy_decisions % self.probe_every == 0 and len(lengths) > 1:
             self._copy_probe_up = not self._copy_probe_up
@@ -529,6 +548,7 @@ class DraftLengthTuner(_Policy):
             "tokens_per_s": rates,
             "draft_seconds": dict(self.draft_cost.seconds),
             "verify_seconds": dict(self.verify_cost.seconds),
+            "catch_up_seconds": dict(self.catch_up_cost.seconds),
         }
         if self.tree_configs:
             out["tree"] = {

@@ -434,3 +434,30 @@ def test_copies_after_a_full_accept_are_learnt_apart():
     assert tuner.choose_copy(lengths, False) == 1
     with pytest.raises(ValueError, match="record_copy"):
         tuner.record_copy(3, 4)
+
+
+def test_a_copys_catch_up_is_weighed_with_its_verify():
+    """A copy's cycle also has the draft catch up on what was accepted: a fixed 30 s here beside a verify
+    of 1 s a row. Weighed by its verify alone the shortest copy pays (E(L) / (L + 1) falls with L); with the
+    catch-up the longest does, and the tuner finds it. k = 0's cycle time counts its catch-up too."""
+    lengths, first, then = [1, 3, 7, 10], 0.45, 0.8
+    verify, catch_up = (lambda n: 1.0 * n), 30.0
+    alone = max(lengths, key=lambda L: _copy_rate(L, first, then, verify))
+    want = max(lengths, key=lambda L: _copy_rate(L, first, then, lambda n: verify(n) + catch_up))
+    assert (alone, want) == (1, 10)
+    tuner = DraftLengthTuner(choices=range(0, 5))
+    rng = random.Random(0)
+    chosen = []
+    for _ in range(400):
+        L = tuner.choose_copy(lengths)
+        n = 0
+        while n < L and rng.random() < (first if n == 0 else then):
+            n += 1
+        tuner.record_verify(L + 1, verify(L + 1))
+        tuner.record_catch_up(L + 1, catch_up)
+        tuner.record_copy(L, n)
+        chosen.append(L)
+    top = collections.Counter(chosen[200:]).most_common(1)[0]
+    assert top[0] == want and top[1] >= 0.7 * 200, collections.Counter(chosen[200:])
+    tuner.record_draft(0, 5.0)
+    assert tuner.cycle_time(0) == pytest.approx(5.0 + tuner.verify_cost.predict(1))
