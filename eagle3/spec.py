@@ -88,8 +88,11 @@ class TreeConfig:
 @dataclass
 class SpecStats:
     cycles: int = 0
-    accepted: list[int] = field(default_factory=list)  # per cycle (row 0 for batches; see accepted_rows)
-    accepted_rows: list[list[int]] = field(default_factory=list)  # per cycle, the rows still decoding
+    # per cycle, the accepted draft tokens that reached the output (a cycle cut short by a stop token or the
+    # budget counts what it kept, so accepted + 1 is what the cycle emitted): row 0's, and every row still
+    # decoding's
+    accepted: list[int] = field(default_factory=list)
+    accepted_rows: list[list[int]] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)  # k per cycle (trees: the depth)
     lookup_rows: list[int] = field(default_factory=list)  # per cycle: rows whose draft was copied
     store_rows: list[int] = field(default_factory=list)  # per cycle: of those, rows copied from the datastore
@@ -110,7 +113,7 @@ class SpecStats:
 
     @property
     def tau(self) -> float:
-        """Acceptance length: accepted draft tokens + 1 per cycle."""
+        """Acceptance length: tokens emitted per cycle (accepted draft tokens + 1)."""
         acc = [a for row in self.accepted_rows for a in row] or self.accepted
         return sum(a + 1 for a in acc) / max(len(acc), 1)
 
@@ -340,6 +343,7 @@ class SpecDecoder:
                         self.policy.record_copy(len(copied), len(e) - 1, streak[b])
                     streak[b] = bool(copied) and len(e) > len(copied)  # every copied token kept, + the next
             grown = [len(o) for o in outs]
+            live = 0  # the row's place among accepted_rows[-1] (the rows still decoding)
             for b in range(B):
                 if done[b]:
                     continue
@@ -348,6 +352,12 @@ class SpecDecoder:
                     if t in stop or len(outs[b]) >= max_new_tokens:
                         done[b] = True
                         break
+                cut = len(emitted[b]) - (len(outs[b]) - grown[b])
+                if cut:  # the stats count what reached the output (tau: tokens a cycle emits)
+                    stats.accepted_rows[-1][live] -= cut
+                    if b == 0:
+                        stats.accepted[-1] -= cut
+                live += 1
             if on_cycle is not None:
                 on_cycle(emitted)
             if on_output is not None:

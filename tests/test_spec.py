@@ -212,6 +212,16 @@ def test_on_output_streams_exactly_the_returned_tokens(target):
         assert sum(map(len, (c[0] for c in cycles))) + 1 > len(
             got.tokens[0]
         )  # the control: cycles ran past it
+        # the stats count what reached the output: per row, 1 (the prefill's) + accepted + 1 per cycle it ran
+        spec = got.stats["spec"]
+        ran = [[] for _ in rows]
+        for cycle in spec.accepted_rows:
+            still = [b for b in range(len(rows)) if 1 + sum(ran[b]) < len(got.tokens[b])]
+            assert len(cycle) == len(still)
+            for b, a in zip(still, cycle):
+                ran[b].append(a + 1)
+        assert [1 + sum(r) for r in ran] == [len(t) for t in got.tokens]
+        assert spec.tau == sum(len(t) - 1 for t in got.tokens) / sum(map(len, ran)) and spec.accepted[-1] >= 0
 
 
 def test_batch_rows_that_finish_early_stay_frozen(target):
