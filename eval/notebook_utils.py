@@ -208,17 +208,18 @@ def tokens_per_s(gen: Generation) -> float:
     return gen.new_tokens / gen.seconds
 
 
-def run_record(
-    method: str, prompt_id: str, gen: Generation, dtype: str = "bf16", turn: int = 0, row: int = 0
-) -> RunRecord:
-    """One eval.report.RunRecord from a plain or speculative Generation (one row); the memory column is
-    the process's resident memory now, as eval.bench records it."""
+def run_record(method: str, prompt_id: str, gen: Generation, dtype: str = "bf16", turn: int = 0) -> RunRecord:
+    """One eval.report.RunRecord from a plain or speculative Generation of one prompt (a batch's stats
+    hold row 0's draft lengths only: give each prompt its own generate call); the memory column is the
+    process's resident memory now, as eval.bench records it."""
     from eval.bench import rss_mb
 
+    if len(gen.tokens) != 1:
+        raise ValueError(f"run_record takes a Generation of one prompt, got {len(gen.tokens)} rows")
     spec = gen.stats.get("spec")
     kw: dict[str, Any] = {}
     if spec is not None:
-        acc = [r[row] for r in spec.accepted_rows] if spec.accepted_rows else list(spec.accepted)
+        acc = list(spec.accepted)
         kw = dict(
             cycles=spec.cycles,
             accepted=acc,
@@ -232,10 +233,10 @@ def run_record(
         method=method,
         prompt_id=str(prompt_id),
         turn=turn,
-        new_tokens=len(gen.tokens[row]),
+        new_tokens=len(gen.tokens[0]),
         seconds=gen.seconds,
         ttft=gen.ttft,
-        output_ids=list(gen.tokens[row]),
+        output_ids=list(gen.tokens[0]),
         dtype=dtype,
         peak_memory_mb=rss_mb(),
         **kw,

@@ -160,6 +160,10 @@ def test_run_record_and_pooled_tau():
     r = nbu.run_record("k=4", "p", spec)
     assert (r.cycles, r.accepted, r.draft_lengths, r.verify_seconds) == (2, [3, 0], [4, 4], 0.2)
     assert nbu.pooled_tau([spec, spec]) == 2.5  # (4 + 1) / 2 per generation
+    with pytest.raises(ValueError, match="one prompt, got 2 rows"):  # a batch's draft lengths are row 0's
+        nbu.run_record(
+            "k=4", "p", Generation([[1, 2], [3, 4]], [4, 4], seconds=0.4, ttft=0.1, stats={"spec": stats})
+        )
     with pytest.raises(ValueError, match="no speculative cycle"):
         nbu.pooled_tau([Generation([[1]], [1], 1.0, 0.1, {"spec": SpecStats()})])
 
