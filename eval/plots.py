@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from eval.report import variant
 from eval.summary import MethodSummary
 
 
@@ -74,7 +75,8 @@ def plot_acceptance(summaries: Sequence[MethodSummary]) -> Figure:
 def plot_draft_length(summaries: Sequence[MethodSummary]) -> Figure:
     """Tokens/s against draft length k.
 
-    Fixed-k methods (every cycle drafted the same k) form one line; tuned methods, whose k varies
+    Fixed-k chains (every cycle drafted the same k) form a line per numerics (bf16, +q4, ...); trees are
+    points at their depth; tuned methods, whose k varies
     per cycle, are a marker at their cycle-weighted mean k with a bar over the range of k they used,
     and the bars underneath (right axis) show how often each k was chosen. Methods without drafting
     (plain, HF) are horizontal reference lines.
@@ -94,12 +96,19 @@ def plot_draft_length(summaries: Sequence[MethodSummary]) -> Figure:
             )
             continue
         used = [k for k, n in enumerate(s.draft_length_counts) if n]
+        if "tree" in s.method:  # its draft length is the tree's depth: a point of its own, on no line
+            ax.plot([s.mean_draft_length], [s.tokens_per_s], marker="^", linestyle="none", color="grey")
+            ax.annotate(s.method, (s.mean_draft_length, s.tokens_per_s), fontsize=8,
+                        textcoords="offset points", xytext=(4, 4))  # fmt: skip
+            continue
         (fixed if len(used) == 1 else tuned).append((s, used))
-    if fixed:
-        fixed.sort(key=lambda item: item[1][0])
-        ks = [used[0] for _, used in fixed]
-        ax.plot(ks, [s.tokens_per_s for s, _ in fixed], marker="o", color="C0", label="fixed k")
-        for (s, _), k in zip(fixed, ks):
+    lines = {}  # one fixed-k line per numerics (bf16, +q4, -compiled, ...): a line joins like with like
+    for s, used in sorted(fixed, key=lambda item: item[1][0]):
+        lines.setdefault(variant(s.method), []).append((used[0], s))
+    for i, (suffix, points) in enumerate(lines.items()):
+        ax.plot([k for k, _ in points], [s.tokens_per_s for _, s in points], marker="o", color=f"C{i}",
+                label="fixed k" + (f" ({suffix})" if suffix else ""))  # fmt: skip
+        for k, s in points:
             ax.annotate(s.method, (k, s.tokens_per_s), fontsize=8, textcoords="offset points", xytext=(4, 4))
     if tuned:
         share_ax = ax.twinx()
@@ -114,12 +123,12 @@ def plot_draft_length(summaries: Sequence[MethodSummary]) -> Figure:
                 marker="*",
                 markersize=12,
                 capsize=4,
-                color=f"C{j}",
+                color=f"C{j + len(lines)}",
                 label=f"{s.method} (tuned, mean k {mean_k:.2f})",
             )
             shares = [s.draft_length_counts[k] / s.cycles for k in used]
             offset = (j - 1 - (len(tuned) - 1) / 2) * width
-            share_ax.bar([k + offset for k in used], shares, width, alpha=0.25, color=f"C{j}")
+            share_ax.bar([k + offset for k in used], shares, width, alpha=0.25, color=f"C{j + len(lines)}")
         share_ax.set_ylim(0.0, 1.0)
         # Draw the main axes (points, legend) above the share bars.
         ax.set_zorder(share_ax.get_zorder() + 1)

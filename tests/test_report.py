@@ -366,3 +366,21 @@ def test_variant_methods_are_checked_against_their_own_plain_decoding(v):
     d = asdict(s["eagle3-k3" + v])
     del d["reference"]  # reports written before the field existed still load
     assert MethodSummary.from_dict(d).reference == ""
+
+
+def test_draft_length_plot_joins_fixed_k_chains_of_like_numerics_only():
+    """One fixed-k line per numerics (bf16 k=3,4; +q4 k=3), trees a point at their depth on no line."""
+    from eval.plots import plot_draft_length
+
+    def spec(method, k, seconds):
+        return RunRecord(method, "p0", 0, 100, seconds, ttft=0.25, cycles=2, accepted=[1, 1],
+                         draft_lengths=[k, k], draft_seconds=0.1, verify_seconds=0.2, output_ids=P0_IDS)  # fmt: skip
+
+    records = [plain("p0", 100, 10.0, P0_IDS), RunRecord("ours-plain+q4", "p0", 0, 100, 8.0, ttft=0.5, output_ids=P0_IDS),
+               spec("eagle3-k3", 3, 5.0), spec("eagle3-k4", 4, 6.0), spec("eagle3-k3+q4", 3, 4.0),
+               spec("eagle3-tree", 3, 2.0)]  # fmt: skip
+    ax = plot_draft_length(summarise(records)).axes[0]
+    lines = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in ax.get_lines()}
+    assert lines["fixed k"] == ([3, 4], [20.0, 100 / 6])
+    assert lines["fixed k (+q4)"] == ([3], [25.0])
+    assert not any(50.0 in y for label, (_, y) in lines.items() if label.startswith("fixed k"))  # the tree's
