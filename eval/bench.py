@@ -169,9 +169,33 @@ def rss_mb() -> float:
     """Resident memory of this process now (CPU); on CUDA the allocator's peak."""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**20
+    return _status_mb("VmRSS")
+
+
+def reset_peak_memory() -> None:
+    """Start a new peak for `peak_memory_mb`: the CUDA allocator's, or on CPU the process's resident
+    high-water mark (Linux: writing 5 to /proc/self/clear_refs)."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        return
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_memory_mb() -> float:
+    """The process's peak memory since `reset_peak_memory` (CUDA: allocated; CPU: resident, VmHWM). Every
+    model the run holds is in it: a method's own share is the difference from ours-plain's."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return _status_mb("VmHWM")
+
+
+def _status_mb(field: str) -> float:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
@@ -680,6 +704,7 @@ def run_prompt(i, prompt, methods, runners, args, tok, eos, cut, bar) -> list[Ru
         for turn in range(min(args.turns, len(prompt["turns"]))):
             where = f"{m}: prompt {prompt['id']} turn {turn + 1}"
             ids = fit_prompt(chat_ids(tok, prompt, turn, answers), args, where, cut)
+            reset_peak_memory()
             new, st = runners[m].run(ids, args.max_new_tokens, gen)
             answers.append(answer_text(tok, new, eos))
             records.append(
@@ -697,7 +722,7 @@ def run_prompt(i, prompt, methods, runners, args, tok, eos, cut, bar) -> list[Ru
                     verify_seconds=st.get("verify_seconds", 0.0),
                     lookup_cycles=st.get("lookup_cycles", 0),
                     store_cycles=st.get("store_cycles", 0),
-                    peak_memory_mb=rss_mb(),
+                    peak_memory_mb=peak_memory_mb(),
                     output_ids=new,
                     dtype=args.dtype,
                 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 
@@ -384,3 +385,21 @@ def test_draft_length_plot_joins_fixed_k_chains_of_like_numerics_only():
     assert lines["fixed k"] == ([3, 4], [20.0, 100 / 6])
     assert lines["fixed k (+q4)"] == ([3], [25.0])
     assert not any(50.0 in y for label, (_, y) in lines.items() if label.startswith("fixed k"))  # the tree's
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux only")
+def test_peak_memory_is_each_generations_own():
+    """eval.bench resets the peak before each generation: a 400 MB buffer freed before the next one's
+    reset is not in the next one's peak (the column read the process's resident memory after every method)."""
+    import torch
+
+    from eval.bench import peak_memory_mb, reset_peak_memory
+
+    reset_peak_memory()
+    base = peak_memory_mb()
+    buf = torch.ones(100 * 2**20)  # 400 MB, touched
+    del buf
+    first = peak_memory_mb()
+    reset_peak_memory()
+    second = peak_memory_mb()
+    assert first - base > 350 and second - base < 50, (base, first, second)
