@@ -6,9 +6,10 @@ prompt so that drift in machine load hits every method alike, and emits one `Run
 
 Definitions, chosen to match how the EAGLE papers and production engines report numbers:
 - tokens/s is total new tokens over total wall seconds (prefill included), so a method cannot look
-  fast by skipping slow prompts; the mean of per-prompt ratios is reported beside it because a few
-  long prompts dominate the aggregate.
-- tau (acceptance length) counts the bonus token: mean over cycles of (accepted + 1). Plain decoding
+  fast by skipping slow prompts; the mean of per-prompt ratios is kept beside it in report.json
+  (`speedup_mean`, `speedup_hf_mean`) because a few long prompts dominate the aggregate.
+- tau (acceptance length) counts the bonus token: mean over cycles of (accepted + 1), the tokens a cycle
+  emits (a last cycle cut by a stop token or the budget counts what it kept: eagle3.spec.SpecStats). Plain decoding
   has no cycles and gets None, not 1.0, so the table cannot mix the two up.
 - The acceptance rate at draft position i is conditional on reaching it: among cycles that drafted
   at least i tokens, the fraction whose first i draft tokens were all accepted (chain drafting
