@@ -56,6 +56,16 @@ def spec_decoder(
     )
 
 
+def spec_lengths(rows: tuple[int, ...], streak_tokens: int) -> tuple[int, int, int]:
+    """(longest draft, copy, streak) for the speculative rows: drafts of up to 8 tokens, copies of 10, streaks
+    of `streak_tokens`, each cut to what a verify in the largest bucket holds."""
+    room = rows[-1] - 1
+    if room < 1:
+        raise UserError(f"--rows {','.join(map(str, rows))}: the speculative rows verify 2 tokens or more; "
+                        "give a bucket of 2 rows or more, or --no-spec")  # fmt: skip
+    return min(8, room), min(10, room), min(streak_tokens, room)
+
+
 def alternating(methods: list[str], prompts: list[list[int]]):
     """(method, prompt) pairs, prompt by prompt, each prompt starting one method later: no method always runs
     first (or right after the same other one)."""
@@ -180,6 +190,7 @@ def main(argv=None) -> int:
     rows = tuple(args.rows)
     t0 = time.perf_counter()
     engine = CompiledTarget(target, args.max_len, feats, rows=rows, autotune=args.autotune)
+    lengths = None if args.no_spec else spec_lengths(engine.rows, args.lookup_streak_tokens)
     secs = engine.compile()
     result: dict = {
         "rows": list(engine.rows),
@@ -198,8 +209,7 @@ def main(argv=None) -> int:
         "compiled-plain": Decoder(engine, max_len=args.max_len),
     }
     if not args.no_spec:
-        k_max = min(8, engine.rows[-1] - 1)  # every verify within the largest bucket
-        copy, streak = min(10, k_max), min(args.lookup_streak_tokens, k_max)
+        k_max, copy, streak = lengths
         for name, model in (("eager", target), ("compiled", engine)):  # the same drafting on both engines
             decoders[f"{name}-eagle3-tuned+lookup"] = spec_decoder(
                 model, draft, args.max_len, k_max, copy, streak, args.compile_draft or name == "compiled"

@@ -6,6 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from maverick.config import get_config
@@ -87,3 +88,16 @@ def test_bench_engine_profiles_its_decode_steps(capsys):
     assert calls == [3] + [1] * 5  # the prefill, 2 unrecorded steps, 3 recorded ones
     assert prof["steps"] == 3 and prof["wall_ms"] > 0 and prof["ops"] and "device_ms" not in prof
     assert "compiled decode profile" in capsys.readouterr().err
+
+
+def test_bench_engine_lengths_fit_the_largest_bucket_and_keep_the_streak():
+    """Drafts up to 8, copies 10 and streaks as asked, within the largest bucket's verify: the streak was cut
+    to the draft's 8 (so --lookup-streak-tokens did nothing, copies 8 not 10); one row buckets are refused."""
+    from eval.bench_engine import spec_lengths
+    from maverick.cli import UserError
+
+    assert spec_lengths((1, 2, 4, 8, 12, 24), 20) == (8, 10, 20)
+    assert spec_lengths((1, 2, 4, 8, 12, 24), 10) == (8, 10, 10)
+    assert spec_lengths((1, 2, 4, 8), 20) == (7, 7, 7)
+    with pytest.raises(UserError, match="--rows 1: "):
+        spec_lengths((1,), 20)
