@@ -79,7 +79,7 @@ from eagle3.lookup import LookupConfig
 from eagle3.spec import SpecDecoder, TreeConfig
 from eagle3.tuner import DraftLengthTuner, FixedK
 from eval.distcheck import DistCheck, check_method
-from eval.llama_cpp import LlamaCpp, is_llama_cpp, require
+from eval.llama_cpp import LlamaCpp, check_sampling, is_llama_cpp, require
 from eval.prompts import BENCHMARKS, answer_text, chat_ids, check_prompts_option, load_benchmark
 from eval.report import (
     BOLD_RED,
@@ -544,6 +544,7 @@ def bench(args, shard) -> int:
         methods = without_missing_llama_cpp(methods)
     for m in filter(is_llama_cpp, methods):
         require(m)  # a UserError saying how to install llama-cpp-python, before any model loads
+        check_sampling(sampling_params(args), m)
     dtype = DTYPES[args.dtype]
     gguf = args.gguf = args.gguf or str(default_gguf_path())
     if args.resume and not args.out:

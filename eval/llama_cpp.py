@@ -6,7 +6,9 @@ budget and stop tokens, through llama-cpp-python, an optional extra:
 Methods: `llama.cpp` (plain decoding) and `llama.cpp-prompt-lookup` (the binding's
 LlamaPromptLookupDecoding, where the installed version has it). llama.cpp decodes the file's own
 quantised weights with its own kernels, so its tokens may differ from ours: like HF's rows, its mismatches
-are shown, not failures. The time of a call includes the prompt's processing, as ours does.
+are shown, not failures. The time of a call includes the whole prompt's processing, as ours does (the
+binding's reuse of the previous call's matching prefix is switched off). Sampled rows: llama.cpp scales by
+the temperature after top-p, ours (and HF) before, so a temperature other than 1 with top-p < 1 is refused.
 """
 
 from __future__ import annotations
@@ -53,6 +55,18 @@ def require(method: str):
     return llama_speculative
 
 
+def check_sampling(sampling, method: str = PREFIX) -> None:
+    """A UserError where llama.cpp would sample another distribution than ours: its chain cuts by top-p
+    before it scales by the temperature (top-k and min-p 0 commute with the scaling)."""
+    if sampling is None or sampling.temperature in (0, 1) or sampling.top_p >= 1:
+        return
+    raise UserError(
+        f"method {method}: llama.cpp applies --top-p {sampling.top_p} before --temperature "
+        f"{sampling.temperature}, ours after, so its samples would come from another distribution; give "
+        "--top-p 1 or --temperature 1 (or leave out the llama.cpp rows)"
+    )
+
+
 class LlamaCpp:
     """One llama.cpp model for one method: `run(ids, max_new_tokens, sampling)` -> (new ids, stats)."""
 
@@ -80,6 +94,7 @@ class LlamaCpp:
     def run(self, ids: list[int], max_new_tokens: int, sampling) -> tuple[list[int], dict]:
         """Greedy (temperature 0) or sampled with the same temperature / top-k / top-p; no repetition
         penalty, no min-p (llama.cpp's defaults would change the distribution)."""
+        check_sampling(sampling, self.method)
         greedy = sampling is None or sampling.temperature == 0
         kw = dict(temp=0.0, top_k=1, top_p=1.0) if greedy else dict(
             temp=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p
@@ -87,6 +102,7 @@ class LlamaCpp:
         new: list[int] = []
         t0 = time.perf_counter()
         first = None
+        self.llm.reset()  # generate(reset=True) still reuses the previous call's matching prefix
         for t in self.llm.generate(ids, reset=True, min_p=0.0, repeat_penalty=1.0, **kw):
             if first is None:
                 first = time.perf_counter()

@@ -12,7 +12,7 @@ import pytest
 from eval import bench
 from eval.llama_cpp import LlamaCpp, LlamaCppMissing
 from eval.report import is_lossless_method, reference_method, variant
-from maverick.cli import run_cli
+from maverick.cli import UserError, run_cli
 from maverick.sampling import SamplingParams
 
 
@@ -39,8 +39,13 @@ class _FakeLlama:
         self.kw = kw
         _FakeLlama.made.append(kw)
 
+    def reset(self):  # the binding's: forget every evaluated token (n_tokens = 0)
+        self.n_tokens = 0
+
     def generate(self, tokens, **kw):
-        self.calls = getattr(self, "calls", []) + [(list(tokens), kw)]
+        # the binding reuses the previous call's matching prefix unless n_tokens was reset to 0
+        self.calls = getattr(self, "calls", []) + [(list(tokens), kw, getattr(self, "n_tokens", 0))]
+        self.n_tokens = len(tokens)
         t = 7
         while True:
             yield t
@@ -64,10 +69,18 @@ def test_runs_greedy_on_our_prompt_ids_and_stops(monkeypatch):
     assert _FakeLlama.made[-1]["draft_model"] == ("lookup", 6) and _FakeLlama.made[-1]["n_threads"] == 2
     new, st = r.run([1, 2, 3], 100, SamplingParams())
     assert new == [7, 8, 9, 10]  # up to and including the stop token
-    ids, kw = r.llm.calls[-1]
+    ids, kw, cached = r.llm.calls[-1]
     assert ids == [1, 2, 3] and kw["temp"] == 0.0 and kw["top_k"] == 1 and kw["repeat_penalty"] == 1.0
     assert st["seconds"] >= st["ttft"] >= 0
     assert r.run([1], 2, SamplingParams())[0] == [7, 8]  # the token budget
+    assert [c[2] for c in r.llm.calls] == [0, 0]  # every prompt processed whole: no reused prefix
+    sampled = SamplingParams(0.7, top_k=20, top_p=1.0)
+    r.run([1], 2, sampled)
+    assert (r.llm.calls[-1][1]["temp"], r.llm.calls[-1][1]["top_k"]) == (0.7, 20)
+    for ok in (SamplingParams(1.0, top_p=0.9), sampled):
+        r.run([1], 2, ok)
+    with pytest.raises(UserError, match="applies --top-p 0.9 before --temperature 0.7"):
+        r.run([1], 2, SamplingParams(0.7, top_p=0.9))  # llama.cpp's chain: top-p, then the temperature
     plain = LlamaCpp("llama.cpp", "m.gguf", 512, eos=[10])
     assert "draft_model" not in _FakeLlama.made[-1] and plain.method == "llama.cpp"
 
