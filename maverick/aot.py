@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import shutil
+import stat
 import warnings
 import zipfile
 from collections.abc import Callable, Iterable
@@ -195,11 +196,23 @@ def clear_inductor_cache(directory: Path = INDUCTOR_DIR, budget_gib: float | Non
         budget_gib = float(os.environ.get("MAVERICK_INDUCTOR_GIB", 4))
     if not directory.is_dir():
         return False
-    size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file() and not f.is_symlink())
+    size = sum(
+        st.st_size for f in directory.rglob("*") if not f.is_symlink() and (st := _stat(f)) is not None
+    )
     if size <= budget_gib * 2**30:
         return False
     shutil.rmtree(directory, ignore_errors=True)
     return True
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    """A regular file's stat, or None for a folder or a file gone since it was listed (another process's
+    prune or build)."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st if stat.S_ISREG(st.st_mode) else None
 
 
 def prune(directory: Path, keep: Path, budget_gib: float | None = None) -> list[Path]:
@@ -208,11 +221,14 @@ def prune(directory: Path, keep: Path, budget_gib: float | None = None) -> list[
     step's source names new packages. Returns the deleted paths; they are rebuilt when asked for again."""
     if budget_gib is None:
         budget_gib = float(os.environ.get("MAVERICK_AOT_GIB", 8))
-    packages = [p for p in directory.glob("*.pt2") if ".tmp." not in p.name]  # not a build under way
-    packages.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    # not a build under way; each stat once, and a package another process deleted meanwhile skipped
+    packages = [
+        (p, st) for p in directory.glob("*.pt2") if ".tmp." not in p.name and (st := _stat(p)) is not None
+    ]
+    packages.sort(key=lambda item: item[1].st_mtime, reverse=True)
     total, deleted = 0, []
-    for p in packages:
-        total += p.stat().st_size
+    for p, st in packages:
+        total += st.st_size
         if p != keep and total > budget_gib * 2**30:
             p.unlink(missing_ok=True)
             deleted.append(p)

@@ -284,6 +284,18 @@ def test_prune_keeps_the_most_recent_packages(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt2", "c.pt2", "d.123.tmp.pt2"]
 
 
+def test_prune_skips_a_package_another_process_deleted_meanwhile(tmp_path, monkeypatch):
+    """Another process's prune can delete a package between this one's listing and its stat: skipped, not a
+    FileNotFoundError naming a package the run never asked for (after a build that succeeded)."""
+    for i, name in enumerate(["a.pt2", "b.pt2", "c.pt2"]):
+        (tmp_path / name).write_bytes(bytes(1024))
+        os.utime(tmp_path / name, (1000 + i, 1000 + i))
+    listed = list(tmp_path.glob("*.pt2"))
+    (tmp_path / "b.pt2").unlink()  # gone after the listing
+    monkeypatch.setattr(Path, "glob", lambda self, pattern: iter(listed))
+    assert prune(tmp_path, keep=tmp_path / "c.pt2", budget_gib=1.5 * 1024 / 2**30) == [tmp_path / "a.pt2"]
+
+
 def test_inductor_cache_is_cleared_past_its_budget(tmp_path):
     """What package builds leave in the repository's inductor cache is deleted once it outgrows its budget."""
     cache = tmp_path / "inductor"
