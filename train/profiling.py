@@ -11,8 +11,9 @@ for stage.json (a lent GPU's minutes should bring back the speed, or what holds 
 The summary's two numbers per step say which side bounds it: `device_ms` (the kernels' own time, summed) and
 `wall_ms` (the step as the host saw it, between two `step()` calls). Device time well under wall time: the
 host (Python, launches, syncs) bounds the loop; close to it: the GPU does. On a CPU `device_ms` is absent
-and the ops' own CPU time tells where the step goes. The top ops follow, by their own (self) time;
-`ProfilerStep*` is the step's host time outside every op (Python between the ops). `wall_ms` counts
+and the ops' own CPU time tells where the step goes. The top ops follow, by their own (self) time: on CUDA
+the kernels by device time (`ops`) and the host's ops by CPU time (`host_ops`); `ProfilerStep*` there is
+the step's host time outside every op (Python between the ops). `wall_ms` counts
 whatever ran between two `step()` calls (a prefill between two decode steps too), under the profiler: its
 own cost per op is in it (on a CPU a SmolLM2 decode step takes ~2.5x as long profiled), so compare the
 shares within a profile, not its wall time with an unprofiled run's.
@@ -24,6 +25,7 @@ import time
 from typing import Any
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
 
 
@@ -97,25 +99,36 @@ class StepProfiler:
         if self._prof is None or n < self.active:
             return None
         events = self._prof.key_averages()
-
-        def dev(e) -> float:  # microseconds; the attribute's name changed across torch versions
-            return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) or 0.0)
-
-        ops = sorted(events, key=lambda e: dev(e) if self.cuda else e.self_cpu_time_total, reverse=True)
         out: dict[str, Any] = {
             "steps": n,
             "wall_ms": round((self._marks[-1] - self._marks[0]) * 1e3 / n, 3),
             "cpu_ms": round(sum(e.self_cpu_time_total for e in events) / 1e3 / n, 3),
         }
-        if self.cuda:
-            out["device_ms"] = round(sum(dev(e) for e in events) / 1e3 / n, 3)
-        out["ops"] = [
+        host = [e for e in events if e.device_type == DeviceType.CPU]
+        if not self.cuda:
+            out["ops"] = self._ops(sorted(host, key=lambda e: e.self_cpu_time_total, reverse=True), n)
+            return out
+        # kineto lists a kernel twice (as its own CUDA event and in its launching op's self device time) and
+        # the step's span on the GPU as an annotation: the device's time is its kernels' alone, as torch's
+        # own table sums it; with graph replays no aten op holds the kernels, so they are what is ranked
+        kernels = [e for e in events if e.device_type != DeviceType.CPU and not e.is_user_annotation]
+        out["device_ms"] = round(sum(_device_us(e) for e in kernels) / 1e3 / n, 3)
+        out["ops"] = self._ops(sorted(kernels, key=_device_us, reverse=True), n)
+        out["host_ops"] = self._ops(sorted(host, key=lambda e: e.self_cpu_time_total, reverse=True), n)
+        return out
+
+    def _ops(self, events, n: int) -> list[dict[str, Any]]:
+        return [
             {"name": e.key, "calls": e.count // n if e.count >= n else e.count,
              "self_cpu_ms": round(e.self_cpu_time_total / 1e3 / n, 4)}
-            | ({"self_device_ms": round(dev(e) / 1e3 / n, 4)} if self.cuda else {})
-            for e in ops[: self.top]
+            | ({"self_device_ms": round(_device_us(e) / 1e3 / n, 4)} if self.cuda else {})
+            for e in events[: self.top]
         ]  # fmt: skip
-        return out
+
+
+def _device_us(e) -> float:
+    """An event's own device time in microseconds (the attribute's name changed across torch versions)."""
+    return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) or 0.0)
 
 
 def describe(name: str, s: dict[str, Any] | None, unit: str = "step") -> str:
@@ -127,7 +140,8 @@ def describe(name: str, s: dict[str, Any] | None, unit: str = "step") -> str:
     dev = f", device {s['device_ms']:.2f} ms" if "device_ms" in s else ""
     key = "self_device_ms" if "device_ms" in s else "self_cpu_ms"
     top = "; ".join(f"{o['name']} {o[key]:.2f}" for o in s["ops"][:5])
+    host = "; ".join(f"{o['name']} {o['self_cpu_ms']:.2f}" for o in s.get("host_ops", [])[:5])
     return (
         f"{name} profile over {s['steps']} {unit}s, per {unit}: wall {s['wall_ms']:.2f} ms{dev}, "
-        f"top ops (ms): {top}"
+        + (f"top kernels (ms): {top}; top host ops (ms): {host}" if host else f"top ops (ms): {top}")
     )
