@@ -212,18 +212,34 @@ def main(argv=None) -> int:
     return 0 if not errors else 1
 
 
+class _Recorded(Exception):
+    """Raised by profile_method's step callback once the profiler has its steps: the generation ends there."""
+
+
 def profile_method(decoder, ids: list[int], steps: int, device: str) -> dict | None:
     """torch.profiler over `steps` decode steps (plain) or cycles (speculative) of one generation, after 5
     unrecorded ones (train/profiling.py): per step, wall and device milliseconds and the top ops. Stop tokens
-    are ignored so that the generation lasts."""
+    are ignored, and the budget is what the cache holds (a cycle can emit many tokens: a budget of 5 + steps
+    + 8 tokens ended trees' generations after ~11 cycles, with no profile); the generation ends once the
+    steps are recorded."""
     from eagle3.spec import SpecDecoder
     from train.profiling import StepProfiler
 
     prof = StepProfiler(5, steps, torch.device(device))
-    if isinstance(decoder, SpecDecoder):
-        decoder.generate([ids], 5 + steps + 8, None, (), on_cycle=lambda _: prof.step())
-    else:
-        decoder.generate([ids], 5 + steps + 8, None, (), on_tokens=lambda _: prof.step())
+
+    def step(_) -> None:
+        prof.step()
+        if prof.done:
+            raise _Recorded
+
+    try:
+        if isinstance(decoder, SpecDecoder):
+            room = decoder.max_len - len(ids) - max(decoder.k_max + 1, 8) - 2  # SpecDecoder.generate's check
+            decoder.generate([ids], max(room, 5 + steps + 8), None, (), on_cycle=step)
+        else:
+            decoder.generate([ids], 5 + steps + 8, None, (), on_tokens=step)
+    except _Recorded:
+        pass
     return prof.summary()
 
 

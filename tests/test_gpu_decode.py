@@ -101,3 +101,22 @@ def test_bench_engine_lengths_fit_the_largest_bucket_and_keep_the_streak():
     assert spec_lengths((1, 2, 4, 8), 20) == (7, 7, 7)
     with pytest.raises(UserError, match="--rows 1: "):
         spec_lengths((1,), 20)
+
+
+def test_a_speculative_profile_gets_its_cycles_however_many_tokens_each_emits():
+    """An oracle draft emits 5 tokens a cycle: the budget of 5 + steps + 8 tokens ended the generation after
+    ~5 cycles, short of the 5 + 10 the profile needs (trees on a GPU: no profile came back). The generation
+    now lasts for the cycles and ends once they are recorded."""
+    from eagle3.spec import SpecDecoder
+    from eagle3.tuner import FixedK
+    from maverick.generate import Decoder
+    from tests.test_spec import OracleDraft, make_draft, make_target, prompts
+
+    gd = load_script()
+    target = make_target()
+    p = prompts(1)[0]
+    ref = Decoder(target, max_len=256).generate([p], 120).tokens[0]
+    dec = SpecDecoder(target, make_draft(target, cls=OracleDraft, seq=p + ref), max_len=256, policy=FixedK(4))
+    prof = gd.profile_method(dec, p, 10, "cpu")
+    assert prof is not None and prof["steps"] == 10
+    assert dec.tcache.lengths[0] < len(p) + 5 * 17  # it ended once recorded, not at the budget

@@ -74,6 +74,11 @@ class StepProfiler:
         if self._steps >= self._skip + self.active:
             self.stop()
 
+    @property
+    def done(self) -> bool:
+        """The recorded steps are over (or the profiler failed, or is off): later steps are not watched."""
+        return self._done or self._prof is None
+
     def stop(self) -> None:
         if self._prof is not None and not self._done:
             self._done = True
@@ -141,7 +146,6 @@ def describe(name: str, s: dict[str, Any] | None, unit: str = "step") -> str:
     key = "self_device_ms" if "device_ms" in s else "self_cpu_ms"
     top = "; ".join(f"{o['name']} {o[key]:.2f}" for o in s["ops"][:5])
     host = "; ".join(f"{o['name']} {o['self_cpu_ms']:.2f}" for o in s.get("host_ops", [])[:5])
-    return (
-        f"{name} profile over {s['steps']} {unit}s, per {unit}: wall {s['wall_ms']:.2f} ms{dev}, "
-        + (f"top kernels (ms): {top}; top host ops (ms): {host}" if host else f"top ops (ms): {top}")
+    return f"{name} profile over {s['steps']} {unit}s, per {unit}: wall {s['wall_ms']:.2f} ms{dev}, " + (
+        f"top kernels (ms): {top}; top host ops (ms): {host}" if host else f"top ops (ms): {top}"
     )
