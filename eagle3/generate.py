@@ -176,6 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     gen = spec.generate(
         [ids], args.max_new_tokens, sampling, eos, rng, on_output=lambda rows: stream.add(rows[0])
     )
+    stream.finish()
     result = {"draft": str(args.draft), "shape": shape_name(trees, args.k), "lookup": args.lookup}
     result |= {"engine": args.engine, "q4": args.q4, "dtype": args.dtype} | stats_of(gen)
     if len(trees) > 1:  # the cycles each tree got (the warm-up's included)

@@ -195,20 +195,32 @@ class Decoder:
 
 class TextStream:
     """Writes an answer to stdout as its tokens arrive: the tokens so far are decoded whole each time and only
-    the new end of the text is written (a token may change how the bytes before it decode)."""
+    the new end of the text is written. A character whose bytes span tokens (an emoji, CJK: byte-level BPE)
+    decodes to U+FFFD until its last byte arrives, so a trailing U+FFFD is held back until the next token
+    (or `finish`): what is written is the final text."""
 
     def __init__(self, tokenizer, show: bool = True):
         self.tokenizer, self.show = tokenizer, show
         self.ids: list[int] = []
-        self.text = ""
+        self.text = ""  # the decoded text so far
+        self.shown = ""  # what was written
 
     def add(self, ids: Sequence[int]) -> None:
         self.ids.extend(int(t) for t in ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        self._write(self.text.rstrip("\ufffd"))
+
+    def finish(self) -> None:
+        """Write what was held back (a U+FFFD the answer really ends with)."""
+        self._write(self.text)
+
+    def _write(self, upto: str) -> None:
+        if not upto.startswith(self.shown) or len(upto) == len(self.shown):
+            return  # nothing new (a decoded prefix never changes once its characters are whole)
         if self.show:
-            sys.stdout.write(text[len(self.text) :])
+            sys.stdout.write(upto[len(self.shown) :])
             sys.stdout.flush()
-        self.text = text
+        self.shown = upto
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -258,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     res = dec.generate(
         [ids], args.max_new_tokens, sampling, model.config.eos_ids, gen, on_tokens=lambda t: stream.add(t[:1])
     )
+    stream.finish()
     n = res.new_tokens
     stats = {"new_tokens": n, "seconds": round(res.seconds, 3), "tokens_per_s": round(n / res.seconds, 2)}
     stats |= {

@@ -171,3 +171,20 @@ def test_saved_tokenizer_is_the_built_one(tmp_path, monkeypatch):
     assert calls[-2:] == ["saved", path.name]  # the damaged copy failed to load; built again
     assert again("Hi there")["input_ids"] == built("Hi there")["input_ids"]
     assert (copy / "tokenizer.json").stat().st_size > 1_000_000
+
+
+@pytest.mark.parametrize("text", ["Hi 😀 there", "日本語のテキスト", "🌌🌾🌟🌟", "ok"])
+@pytest.mark.parametrize(
+    "step", [1, 3]
+)  # a token at a time (maverick.generate), a cycle's few (eagle3.generate)
+def test_streamed_text_is_the_answer_even_where_a_character_spans_tokens(tok, capsys, text, step):
+    """Byte-level BPE splits an emoji or a CJK character over tokens; decoded half-way it is U+FFFD, and the
+    stream wrote that and never the character (printed 'Hi � there')."""
+    from maverick.generate import TextStream
+
+    ids = tok.encode(text, add_special_tokens=False)
+    stream = TextStream(tok)
+    for i in range(0, len(ids), step):
+        stream.add(ids[i : i + step])
+    stream.finish()
+    assert capsys.readouterr().out == tok.decode(ids) == text
