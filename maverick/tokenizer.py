@@ -33,6 +33,10 @@ from maverick.gguf_loader import default_gguf_path, read_metadata
 
 # a GGUF file's tokenizer as transformers built it, saved (the repository's .cache, beside the AOT packages)
 TOKENIZER_DIR = pathlib.Path(__file__).resolve().parent.parent / ".cache" / "tokenizer"
+# llama.cpp's pre-tokenizer types that split off every digit before the GPT-2 regex (llama-vocab.cpp: "\p{N}"
+# first), which transformers' GGUF reader leaves out; SmolLM2's file says "smollm"
+DIGIT_SPLIT_PRE = frozenset({"starcoder", "refact", "command-r", "smollm", "codeshell", "exaone"})
+SAVED_FORMAT = 2  # of the saved copies: 2 = with the digit split (1 read "\n\n1" as Ċ Ċ 1, not ĊĊ 1)
 
 
 def load_tokenizer(path: str | pathlib.Path | None = None):
@@ -85,7 +89,9 @@ def saved_copy_dir(root: pathlib.Path, p: pathlib.Path) -> pathlib.Path:
     import transformers
 
     st = p.stat()
-    key = repr((str(p.resolve()), st.st_size, st.st_mtime_ns, transformers.__version__)).encode()
+    key = repr(
+        (str(p.resolve()), st.st_size, st.st_mtime_ns, transformers.__version__, SAVED_FORMAT)
+    ).encode()
     return root / f"{p.stem}-{hashlib.blake2b(key, digest_size=10).hexdigest()}"
 
 
@@ -102,12 +108,27 @@ def _gguf_tokenizer(p: pathlib.Path):
         except Exception:  # a damaged copy: built again
             pass
     tokenizer = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True)
+    if read_metadata(p).get("tokenizer.ggml.pre") in DIGIT_SPLIT_PRE:
+        split_digits(tokenizer)
     try:
         with atomic_dir(saved) as tmp:
             tokenizer.save_pretrained(str(tmp))
     except OSError:  # a read-only checkout: built again next time
         pass
     return tokenizer
+
+
+def split_digits(tokenizer) -> None:
+    """Put llama.cpp's digit split before a byte-level pre-tokenizer (as SmolLM2's own tokenizer.json has
+    it): without it whitespace before a digit joins differently ("\n\n1." as Ċ Ċ 1, where the model itself
+    writes ĊĊ 1), so a text the model wrote re-encodes to ids it never produces."""
+    from tokenizers import pre_tokenizers
+
+    backend = tokenizer.backend_tokenizer
+    if type(backend.pre_tokenizer).__name__ == "ByteLevel":  # not already split (a later transformers)
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), backend.pre_tokenizer]
+        )
 
 
 def gguf_eos_id(path: pathlib.Path) -> int | None:

@@ -188,3 +188,17 @@ def test_streamed_text_is_the_answer_even_where_a_character_spans_tokens(tok, ca
         stream.add(ids[i : i + step])
     stream.finish()
     assert capsys.readouterr().out == tok.decode(ids) == text
+
+
+def test_digits_are_split_off_as_the_model_writes_them(tok):
+    """SmolLM2's GGUF names the 'smollm' pre-tokenizer: each digit split off before the byte-level regex
+    (llama.cpp; transformers' GGUF reader left it out). The model writes "\\n\\n1." as ĊĊ 1; without the split
+    the same text encoded as Ċ Ċ 1, ids it never produces (MT-bench's second turns re-encode first answers)."""
+    cases = {
+        "a\n\n2. item": ["a", "ĊĊ", "2", ".", "Ġitem"],
+        "x =  5": ["x", "Ġ=", "ĠĠ", "5"],
+        "    10 + 20": ["ĠĠĠĠ", "1", "0", "Ġ+", "Ġ", "2", "0"],
+    }
+    for text, pieces in cases.items():
+        assert tok.convert_ids_to_tokens(tok.encode(text, add_special_tokens=False)) == pieces, text
+    assert type(tok.backend_tokenizer.pre_tokenizer).__name__ == "Sequence"
