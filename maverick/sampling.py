@@ -56,7 +56,9 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     V = x.shape[-1]
     if params.greedy:
         return F.one_hot(x.argmax(-1), V).to(torch.float32)
-    x = x / params.temperature
+    # the largest logit to 0 first: a tiny temperature then sends the rest to -inf, not every logit to inf
+    # (a temperature below ~1e-38 made NaN probabilities)
+    x = (x - x.amax(-1, keepdim=True)) / params.temperature
     if 0 < params.top_k < V:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
         x = x.masked_fill(x < kth, float("-inf"))

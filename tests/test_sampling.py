@@ -101,6 +101,14 @@ def test_logits_to_probs_top_p_keeps_the_top_token_and_ties_in_top_k():
     torch.testing.assert_close(got[1], torch.tensor([1 / 3, 1 / 3, 1 / 3, 0]))
 
 
+def test_a_tiny_temperature_is_the_argmax_not_nan():
+    """--temperature 1e-39 divided the logits to inf, and softmax made NaN (a traceback at the first draw)."""
+    logits = torch.tensor([[2.0, 1.0, 3.0, -1.0], [0.5, 0.5, 0.0, 0.0]])
+    for t in (1e-39, 1e-45, 1e-30):
+        probs = logits_to_probs(logits, SamplingParams(temperature=t))
+        assert torch.equal(probs, torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.5, 0.5, 0.0, 0.0]])), t
+
+
 def test_sampling_params_reject_bad_values():
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1.0)
