@@ -49,3 +49,17 @@ def test_regenerate_answers_resumes_and_stops_on_time(tmp_path):
         assert answer.get("cut", False) is (ids[-1] not in model.config.eos_ids)
     assert sum(m.get("cut", False) for _, m in got.values()) >= 2  # 6 tokens cut most answers
     assert [c["messages"] for c in load_chats(out)] == [r["messages"] for r in records(out)]
+
+
+def test_a_first_prompt_past_the_limit_is_said_and_not_tried_again(tmp_path):
+    """A conversation whose first prompt exceeds --max-prompt-tokens vanished without a word (counted as done,
+    nothing written, nothing skipped) and every rerun tried it again."""
+    out = tmp_path / "chats.jsonl"
+    convs = [CONVS[0], {"id": "long", "messages": [{"role": "user", "content": "word " * 60}]}]
+    kw = dict(turns=1, max_new_tokens=4, max_prompt_tokens=40, batch_size=2, dtype=torch.float32)
+    stats = regenerate(convs, out, **kw)
+    assert (stats["conversations"], stats["too_long"], stats["empty_answers"]) == (2, 1, 0)
+    assert [r["id"] for r in records(out)] == ["q0"]
+    skipped = records(tmp_path / "chats.skipped.jsonl")
+    assert [s["id"] for s in skipped] == ["long"] and "> --max-prompt-tokens 40" in skipped[0]["reason"]
+    assert regenerate(convs, out, **kw)["conversations"] == 0  # not tried again

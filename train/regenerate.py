@@ -47,7 +47,8 @@ from train.data import DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED, is_heldout,
 
 
 def skipped_path(out: Path) -> Path:
-    """Where the empty answers of `out` are recorded: chats.jsonl -> chats.skipped.jsonl."""
+    """Where the empty answers and too long first prompts of `out` are recorded: chats.jsonl ->
+    chats.skipped.jsonl."""
     return out.with_name(out.stem + ".skipped.jsonl")
 
 
@@ -120,13 +121,13 @@ def regenerate(
     dec = Decoder(model, max_len=max_prompt_tokens + max_new_tokens + 8, batch_size=batch_size, exact=False)
     n_tokens, t0 = 0, time.perf_counter()
     bar = tqdm(total=len(todo), desc="regenerate", unit="conv", disable=not writer)
-    n_done, empty = 0, 0
+    n_done, skips, too_long = 0, 0, 0
     for i in range(0, len(todo), batch_size):
         if max_seconds is not None and i and rank0_says(time.perf_counter() - t0 >= max_seconds, shard):
             break
         batch = todo[i : i + batch_size]
         msgs = [[] for _ in batch]
-        skipped = []  # {"id", "turn", "reason"} of the empty answers
+        skipped = []  # {"id", "turn", "reason"} of the empty answers and the first prompts too long
         live = list(range(len(batch)))
         for turn in range(turns):
             live = [j for j in live if len(user_turns(batch[j], turns, max_user_chars)) > turn]
@@ -138,6 +139,12 @@ def regenerate(
             for k, j in enumerate(live):
                 if k not in keep:
                     msgs[j].pop()
+                    if turn == 0:  # nothing to write: said in the skipped file, so a rerun does not try again
+                        reason = (
+                            f"prompt of {len(prompts[k])} tokens > --max-prompt-tokens {max_prompt_tokens}"
+                        )
+                        skipped.append({"id": batch[j]["id"], "turn": 1, "reason": reason})
+                        too_long += 1
             live, prompts = [live[k] for k in keep], [prompts[k] for k in keep]
             if not live:
                 break
@@ -169,7 +176,7 @@ def regenerate(
         if skipped and writer:
             with skipped_path(out).open("a") as f:
                 f.writelines(json.dumps(s) + "\n" for s in skipped)
-        empty += len(skipped)
+        skips += len(skipped)
         n_done += len(batch)
         bar.update(len(batch))
         bar.set_postfix(tok_s=f"{n_tokens / (time.perf_counter() - t0):.0f}")
@@ -178,7 +185,8 @@ def regenerate(
         "conversations": n_done,
         "left": len(todo) - n_done,
         "new_tokens": n_tokens,
-        "empty_answers": empty,
+        "empty_answers": skips - too_long,
+        "too_long": too_long,
         "seconds": round(time.perf_counter() - t0, 1),
     }
 
