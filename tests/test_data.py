@@ -127,6 +127,31 @@ def test_sharegpt_corrupt_middle_is_an_error(tmp_path):
         data.load_sharegpt(path)
 
 
+@pytest.mark.parametrize(
+    "cut", ['"value": "see [1]', '"value": "see [1]"}]', '"value": "x"}, {"fro', '"n": tr']
+)
+def test_sharegpt_cut_just_after_a_bracket_is_truncation(tmp_path, cut):
+    """A cut can fall just after a `]` (a record's list closed, or one inside a string): the file still ends
+    mid-record, which was taken for a closed array and so for corruption."""
+    rec = {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}
+    head = "[" + json.dumps(rec) + ",\n"
+    path = _write(tmp_path / "cut.json", head + '{"id": "b", "conversations": [{"from": "human", ' + cut)
+    conversations, report = data.load_sharegpt(path)
+    assert (len(conversations), report.truncated, report.dropped_record_id) == (1, True, "b")
+    assert report.truncated_at_byte == len(head)
+
+
+def test_sharegpt_corrupt_record_before_a_cut_end_is_an_error(tmp_path):
+    """A bad record with whole records after it is corruption, even in a file that ends mid-record."""
+    rec = json.dumps({"id": "c", "conversations": [{"from": "human", "value": "hi"}]})
+    path = _write(
+        tmp_path / "bad.json",
+        '[{"id": "a", "conversations": []}, {"id": "b" "x": 1}, ' + rec + ', {"id": "d", "con',
+    )
+    with pytest.raises(ValueError, match=r"bad\.json: invalid JSON in record 1 at byte 46"):
+        data.load_sharegpt(path)
+
+
 def test_missing_wheel_says_how_to_install(monkeypatch):
     real = wheel_data.importlib.util.find_spec
     monkeypatch.setattr(

@@ -168,35 +168,52 @@ _SEPARATORS = re.compile(r"[\s,]*")
 _ID_IN_TAIL = re.compile(r'"id"\s*:\s*"((?:[^"\\]|\\.)*)"')
 
 
+_NEXT_ELEMENT = re.compile(r",\s*\{")  # where a later object element of the array would start
+
+
 def _scan_json_array(text: str, where: str) -> tuple[list[Any], int | None]:
     """Decode a JSON array element by element -> (elements, char index of an incomplete tail or None).
 
-    A decode failure counts as truncation only when the array is never closed (the text does not end
-    with `]`); otherwise the file is corrupt in the middle and we raise, naming the element and byte.
+    A decode failure is the file's end cutting the last element short (truncation) when the decoder ran out
+    of text: an unterminated string runs to the end, or no whole element follows the failure. Otherwise the
+    file is corrupt in the middle and we raise, naming the element and byte. (Whether the text ends with
+    `]` says nothing: a cut can fall just after any `]`, a list's or one inside a string.)
     """
     start = _SEPARATORS.match(text, 0).end()
     if not text.startswith("[", start):
         raise UserError(f"{where}: expected a JSON array ('[') at the start of the file")
-    closed = text.rstrip().endswith("]")
     decoder = json.JSONDecoder()
     elements: list[Any] = []
     i = start + 1
     while True:
         i = _SEPARATORS.match(text, i).end()
-        if i >= len(text):  # ran out between elements: truncated unless the array was closed
-            return elements, (None if closed else i)
+        if i >= len(text):  # ran out between elements: truncated
+            return elements, i
         if text[i] == "]":
             return elements, None
         try:
             element, i = decoder.raw_decode(text, i)
         except json.JSONDecodeError as exc:
-            if closed:
-                byte = len(text[: exc.pos].encode("utf-8"))
-                raise UserError(
-                    f"{where}: invalid JSON in record {len(elements)} at byte {byte}: {exc.msg}"
-                ) from exc
-            return elements, i
+            if _cut_short(text, exc, decoder):
+                return elements, i
+            byte = len(text[: exc.pos].encode("utf-8"))
+            raise UserError(
+                f"{where}: invalid JSON in record {len(elements)} at byte {byte}: {exc.msg}"
+            ) from exc
         elements.append(element)
+
+
+def _cut_short(text: str, exc: json.JSONDecodeError, decoder: json.JSONDecoder) -> bool:
+    """Whether a decode error is the text ending mid-element rather than a bad element with more after it."""
+    if exc.msg.startswith("Unterminated string"):  # raised only when the string reaches the end of the text
+        return True
+    for m in _NEXT_ELEMENT.finditer(text, exc.pos):
+        try:
+            decoder.raw_decode(text, m.end() - 1)
+        except json.JSONDecodeError:
+            continue
+        return False  # a whole element after the error: corrupt in the middle
+    return True
 
 
 def load_sharegpt(path: str | pathlib.Path | None = None) -> tuple[list[dict[str, Any]], ShareGPTReport]:
