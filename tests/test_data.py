@@ -199,6 +199,17 @@ def test_load_chats_errors_name_file_and_location(tmp_path):
         data.load_chats(path)
     with pytest.raises(FileNotFoundError, match=r"missing\.json"):
         data.load_chats(tmp_path / "missing.json")
+    # valid JSON, but a lone surrogate ("\ud83d": half an emoji) is no text a tokenizer or UTF-8 file takes
+    path = _write(
+        tmp_path / "z.jsonl", good + '\n{"id": "s", "messages": [{"role": "user", "content": "U \\ud83d"}]}\n'
+    )
+    with pytest.raises(
+        ValueError, match=r"z\.jsonl: line 2: bad-text: turn 0 \(user\) holds a lone surrogate"
+    ):
+        data.load_chats(path)
+    path = _write(tmp_path / "w.jsonl", '{"id": "\\udc80", "messages": [{"role": "user", "content": "u"}]}\n')
+    with pytest.raises(ValueError, match=r"w\.jsonl: line 1: bad-id"):
+        data.load_chats(path)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -112,6 +112,8 @@ def normalise_chat(record: Any) -> tuple[dict[str, Any], int]:
             raise MalformedChat("bad-turn", f"turn {i} {text_key!r} is a {type(text).__name__}, not a string")
         if not text.strip():
             raise MalformedChat("empty-text", f"turn {i} ({role}) has empty text")
+        if not _is_unicode(text):  # JSON's "\ud83d" alone: a str that no tokenizer or UTF-8 file takes
+            raise MalformedChat("bad-text", f"turn {i} ({role}) holds a lone surrogate (a broken character)")
         messages.append({"role": role, "content": text})
         if role == "assistant" and turn.get("cut") is True:  # train.regenerate: cut at its max_new_tokens
             messages[-1]["cut"] = True
@@ -123,6 +125,8 @@ def normalise_chat(record: Any) -> tuple[dict[str, Any], int]:
         messages = [m for i, m in enumerate(messages) if i not in leading]
     conv_id = record.get("id")
     conv_id = _content_id(messages) if conv_id is None else str(conv_id)
+    if not _is_unicode(conv_id):
+        raise MalformedChat("bad-id", f"the id {conv_id!r} holds a lone surrogate")
     return {"id": conv_id, "messages": messages}, len(leading)
 
 
@@ -162,6 +166,15 @@ class ShareGPTReport:
             f"leading assistant turns dropped: {self.leading_assistant_turns_dropped:,}"
         )
         return "\n".join(lines)
+
+
+def _is_unicode(text: str) -> bool:
+    """Whether `text` encodes as UTF-8 (no lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 _SEPARATORS = re.compile(r"[\s,]*")
