@@ -18,6 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 LEFTOVER = re.compile(r"\.tmp-\d+-[0-9a-f]{8}")  # atomic_path's and atomic_dir's temporary names
+_UMASK = os.umask(0o022)  # read once, at import (os.umask sets it too: put back at once)
+os.umask(_UMASK)
+FILE_MODE = 0o666 & ~_UMASK  # what open() gives a new file: some writers (safetensors 0.8) make theirs 0600
 
 
 @contextlib.contextmanager
@@ -33,6 +36,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, path)
         _fsync_dir(path.parent)  # the rename itself
     finally:
@@ -72,6 +76,7 @@ def atomic_dir(path: str | os.PathLike, tmp_prefix: str | None = None) -> Iterat
             for name in files:
                 with open(Path(d) / name, "rb+") as f:
                     os.fsync(f.fileno())
+                os.chmod(Path(d) / name, FILE_MODE)
             _fsync_dir(Path(d))
         if path.exists():  # moved aside, not deleted first: a crash in between leaves the old one whole
             os.replace(path, old)

@@ -48,6 +48,15 @@ def test_files_and_folders_get_the_usual_permissions(tmp_path):
     with atomic_dir(draft) as d:
         (d / "config.json").write_text("{}")
     assert os.stat(draft).st_mode == os.stat(plain_dir).st_mode  # not mkdtemp's 0700
+    # a writer that makes its own files private (safetensors 0.8's save_file: 0600) does not make ours so
+    from safetensors.torch import save_file
+
+    with atomic_path(tmp_path / "shard.safetensors") as t:
+        save_file({"x": torch.ones(2)}, str(t))
+    with atomic_dir(tmp_path / "draft2") as d:
+        save_file({"x": torch.ones(2)}, str(d / "model.safetensors"))
+    for f in (tmp_path / "shard.safetensors", tmp_path / "draft2" / "model.safetensors"):
+        assert os.stat(f).st_mode == os.stat(plain).st_mode, oct(os.stat(f).st_mode)
 
 
 def test_leftovers_of_killed_writes_are_found_and_removed(tmp_path):
