@@ -81,19 +81,8 @@ from eagle3.tuner import DraftLengthTuner, FixedK
 from eval.distcheck import DistCheck, check_method
 from eval.llama_cpp import LlamaCpp, check_sampling, is_llama_cpp, require
 from eval.prompts import BENCHMARKS, answer_text, chat_ids, check_prompts_option, load_benchmark
-from eval.report import (
-    BOLD_RED,
-    COMPILED_SUFFIX,
-    FP8_SUFFIX,
-    Q4_COMPILED_SUFFIX,
-    Q4_SUFFIX,
-    RESET,
-    RunRecord,
-    print_table,
-    summarise,
-    variant,
-    write_report,
-)
+from eval.report import BOLD_RED, RESET, RunRecord, print_table, summarise, write_report
+from eval.summary import COMPILED_SUFFIX, FP8_SUFFIX, Q4_COMPILED_SUFFIX, Q4_SUFFIX, variant
 from maverick.cli import (
     INTERRUPTED_STATUS,
     UserError,

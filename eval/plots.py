@@ -14,8 +14,7 @@ from collections.abc import Sequence
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from eval.report import variant
-from eval.summary import MethodSummary
+from eval.summary import MethodSummary, variant
 
 
 def _figure(width: float = 7.0, height: float = 4.0) -> tuple[Figure, object]:

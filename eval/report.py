@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TextIO
 
-from eval.summary import MethodSummary
+from eval.summary import MethodSummary, variant
 from maverick.files import atomic_write
 
 RED = "\033[31m"
@@ -232,23 +232,6 @@ def _summarise_method(
         else None,
         store_share=sum(r.store_cycles for r in mine) / cycles if any(r.store_cycles for r in mine) else None,
     )
-
-
-# Methods named "<method>+fp8" decode with the FP8 target, "<method>+q4" with the target whose GGUF Q4
-# linears stay packed (maverick/q4.py): other numerics. Their outputs are checked against the plain decoding
-# of the same target (lossless within its numerics), and that plain decoding against the bf16 one (how much
-# the numerics change the output: shown, not a failure).
-FP8_SUFFIX = "+fp8"
-Q4_SUFFIX = "+q4"
-COMPILED_SUFFIX = "-compiled"  # the target's steps on the compiled engine (maverick/compiled.py)
-Q4_COMPILED_SUFFIX = Q4_SUFFIX + COMPILED_SUFFIX  # the 4-bit target on the compiled engine
-VARIANT_SUFFIXES = (Q4_COMPILED_SUFFIX, FP8_SUFFIX, Q4_SUFFIX, COMPILED_SUFFIX)  # longest match first
-
-
-def variant(method: str) -> str:
-    """The numerics suffix of a method name ("+fp8", "+q4", "-compiled", "+q4-compiled"), or "" for the
-    bf16/fp32 target."""
-    return next((v for v in VARIANT_SUFFIXES if method.endswith(v)), "")
 
 
 def reference_method(method: str, methods: Iterable[str], baseline: str) -> str:

@@ -1,5 +1,5 @@
-"""The summary of one benchmark method: the type that tables (eval/report.py) and plots (eval/plots.py)
-both read.
+"""The summary of one benchmark method, and the numerics suffixes of method names: what tables
+(eval/report.py) and plots (eval/plots.py) both read.
 
 It lives in its own module so that the report, which draws the plots, and the plots, which read
 summaries, import it from below instead of from each other.
@@ -52,3 +52,20 @@ class MethodSummary:
         if unknown or missing:
             raise ValueError(f"MethodSummary: unknown field(s) {unknown}, missing field(s) {missing}")
         return cls(**data)
+
+
+# Methods named "<method>+fp8" decode with the FP8 target, "<method>+q4" with the target whose GGUF Q4
+# linears stay packed (maverick/q4.py): other numerics. Their outputs are checked against the plain decoding
+# of the same target (lossless within its numerics), and that plain decoding against the bf16 one (how much
+# the numerics change the output: shown, not a failure).
+FP8_SUFFIX = "+fp8"
+Q4_SUFFIX = "+q4"
+COMPILED_SUFFIX = "-compiled"  # the target's steps on the compiled engine (maverick/compiled.py)
+Q4_COMPILED_SUFFIX = Q4_SUFFIX + COMPILED_SUFFIX  # the 4-bit target on the compiled engine
+VARIANT_SUFFIXES = (Q4_COMPILED_SUFFIX, FP8_SUFFIX, Q4_SUFFIX, COMPILED_SUFFIX)  # longest match first
+
+
+def variant(method: str) -> str:
+    """The numerics suffix of a method name ("+fp8", "+q4", "-compiled", "+q4-compiled"), or "" for the
+    bf16/fp32 target."""
+    return next((v for v in VARIANT_SUFFIXES if method.endswith(v)), "")
