@@ -397,23 +397,32 @@ def _bucketed(n: int) -> float:
     return 6.0 + 0.9 * (bucket - 1)
 
 
+def _copy_choices(tuner, lengths, first, then, verify, cycles, catch_up=None) -> list[int]:
+    """The copy lengths the tuner chooses over `cycles` simulated copies (the first token accepted with
+    probability `first`, each next one with `then`), each verify costing verify(L + 1), each catch-up
+    `catch_up` seconds (None: not reported)."""
+    rng = random.Random(0)
+    chosen = []
+    for _ in range(cycles):
+        L = tuner.choose_copy(lengths)
+        n = 0
+        while n < L and rng.random() < (first if n == 0 else then):
+            n += 1
+        tuner.record_verify(L + 1, verify(L + 1))
+        if catch_up is not None:
+            tuner.record_catch_up(L + 1, catch_up)
+        tuner.record_copy(L, n)
+        chosen.append(L)
+    return chosen
+
+
 @pytest.mark.parametrize("cost", [_bucketed, lambda n: 1.0], ids=["bucketed", "flat"])
 def test_copy_length_converges_to_the_analytic_optimum(cost):
     """Copies that are mostly all or nothing (first token accepted 45% of the time, each next one 80%):
     with a verify cost that grows with its rows a short copy pays, with a flat one the longest."""
     lengths, first, then = [1, 3, 7, 10], 0.45, 0.8
     want = max(lengths, key=lambda L: _copy_rate(L, first, then, cost))
-    tuner = DraftLengthTuner(choices=range(1, 5))
-    rng = random.Random(0)
-    chosen = []
-    for _ in range(600):
-        L = tuner.choose_copy(lengths)
-        n = 0
-        while n < L and rng.random() < (first if n == 0 else then):
-            n += 1
-        tuner.record_verify(L + 1, cost(L + 1))
-        tuner.record_copy(L, n)
-        chosen.append(L)
+    chosen = _copy_choices(DraftLengthTuner(choices=range(1, 5)), lengths, first, then, cost, 600)
     assert want == (3 if cost is _bucketed else 10)
     top = collections.Counter(chosen[300:]).most_common(1)[0]
     assert top[0] == want and top[1] >= 0.7 * 300, collections.Counter(chosen[300:])
@@ -446,17 +455,7 @@ def test_a_copys_catch_up_is_weighed_with_its_verify():
     want = max(lengths, key=lambda L: _copy_rate(L, first, then, lambda n: verify(n) + catch_up))
     assert (alone, want) == (1, 10)
     tuner = DraftLengthTuner(choices=range(0, 5))
-    rng = random.Random(0)
-    chosen = []
-    for _ in range(400):
-        L = tuner.choose_copy(lengths)
-        n = 0
-        while n < L and rng.random() < (first if n == 0 else then):
-            n += 1
-        tuner.record_verify(L + 1, verify(L + 1))
-        tuner.record_catch_up(L + 1, catch_up)
-        tuner.record_copy(L, n)
-        chosen.append(L)
+    chosen = _copy_choices(tuner, lengths, first, then, verify, 400, catch_up)
     top = collections.Counter(chosen[200:]).most_common(1)[0]
     assert top[0] == want and top[1] >= 0.7 * 200, collections.Counter(chosen[200:])
     tuner.record_draft(0, 5.0)
