@@ -27,6 +27,7 @@ Tensor-wise recipes save the FP8 copies of x and W for backward (half the memory
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -209,7 +210,18 @@ class Float8Linear(nn.Linear):
 
 def sync_float8_amax_and_scale_history(model: nn.Module) -> None:
     """Once per training step (after ``optimizer.step()``): update every delayed-scaling
-    Float8Linear's scales from its amax history and roll the history. No-op for other recipes."""
-    for module in model.modules():
-        if isinstance(module, Float8Linear):
-            module.update_scales()
+    Float8Linear's scales from its amax history and roll the history. No-op for other recipes.
+
+    Under torch.distributed (DDP: every rank holds the whole model) the step's amaxes are first reduced
+    to their maximum over the ranks, as Transformer Engine's ``reduce_amax`` does: each rank saw its own
+    batch, and a scale from one rank's amax alone clips another rank's larger values (DDP broadcasts rank
+    0's buffers at each forward, so the other ranks' amaxes were lost)."""
+    delayed = [m for m in model.modules() if isinstance(m, Float8Linear) and m.recipe.scaling == "delayed"]
+    if delayed and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        histories = [getattr(m, f"amax_history_{role}") for m in delayed for role in ROLES]
+        now = torch.stack([h[0] for h in histories])
+        dist.all_reduce(now, op=dist.ReduceOp.MAX)
+        for h, amax in zip(histories, now):
+            h[0] = amax
+    for module in delayed:
+        module.update_scales()

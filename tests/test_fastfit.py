@@ -73,6 +73,23 @@ def test_bucketed_batches_give_the_loss_and_gradients_of_one_padded_batch():
         torch.testing.assert_close(p.grad, ref_grads[k], rtol=1e-4, atol=1e-6, msg=k)
 
 
+@pytest.mark.parametrize("T", [STEPS, STEPS + 1, STEPS + 2])
+def test_a_bucket_no_longer_than_the_unroll_scores_its_steps(T):
+    """A bucket of T <= steps + 1 tokens leaves the last steps nothing to predict (train.stage --bucket 8 at
+    the default 7 steps): those steps count 0, as train.fit's sparse sums say, instead of a reshape error."""
+    model, samples, draft = setup()
+    w = model.model.embed_tokens.weight.detach()
+    embed = lambda ids: torch.nn.functional.embedding(ids, w)  # noqa: E731
+    lm_rows = w[draft.draft_to_target_ids].float()
+    short = [{k: v[:T] for k, v in s.items()} for s in samples if len(s["input_ids"]) >= T][:2]
+    b = target_batch(model, short, T, 2, LAYERS, lm_rows, draft.t2d)
+    ce, correct, counts = dense_step_sums(draft, embed, b, STEPS)
+    ref = collate(dump.run_target(model, short, LAYERS, torch.float32), lm_rows, draft.t2d)
+    from train.fit import step_counts
+
+    assert counts.tolist() == step_counts(ref, STEPS).float().tolist() and counts[T - 2 :].sum() == 0
+
+
 def test_bucket_lengths_and_rows():
     b = Buckets(token_budget=4096, bucket=256, max_length=1000)
     assert [b.length(n) for n in (1, 256, 257, 999, 5000)] == [256, 256, 512, 1024, 1024]

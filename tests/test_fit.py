@@ -466,6 +466,20 @@ def test_fp8_flag(tiny, tmp_path):
     )
 
 
+def test_fp8_heldout_scoring_leaves_the_training_alone(tiny, tmp_path):
+    """The held-out forward ran through the FP8 layers: its amaxes joined the delayed-scaling histories and
+    the next scales, so scoring changed the trained weights (1e-3 after 4 steps). It is scored in high
+    precision now (the draft that is saved and served), and the weights equal a run without scoring."""
+    heldout = DumpDataset(tiny["root"] / "dumps")
+    run(tiny, tmp_path / "plain", steps=4, fp8=True, lr=1e-3)
+    run(tiny, tmp_path / "scored", steps=4, fp8=True, lr=1e-3, eval_every=1, eval_data=heldout)
+    a, b = draft_weights(tmp_path / "plain"), draft_weights(tmp_path / "scored")
+    assert all(torch.equal(a[k], b[k]) for k in a), max((a[k] - b[k]).abs().max().item() for k in a)
+    assert [r["loss"] for r in records(tmp_path / "plain")] == [
+        r["loss"] for r in records(tmp_path / "scored")
+    ]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -644,3 +644,32 @@ def test_cuda_scaled_mm_padding_and_weight_only():
     lin = nn.Linear(256, 128).cuda().bfloat16()
     x = torch.randn(9, 256, device="cuda", dtype=torch.bfloat16)
     assert sqnr(lin(x).float(), Float8WeightOnlyLinear.from_float(lin)(x).float()) >= 25.0
+
+
+def _amax_rank(rank: int, world: int, rendezvous: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    torch.manual_seed(0)  # the same layer on every rank, as DDP holds it
+    layer = Float8Linear.from_float(nn.Linear(16, 16, bias=False), Fp8Recipe(amax_history_len=4))
+    x = torch.full((2, 16), 2.0 + 3.0 * rank)  # each rank its own batch: amax 2 and 5
+    layer(x).sum().backward()
+    sync_float8_amax_and_scale_history(layer)
+    torch.save(
+        {"scale": layer.scale_input.clone(), "history": layer.amax_history_input.clone()}, f"{out}.{rank}"
+    )
+    dist.destroy_process_group()
+
+
+def test_delayed_scaling_reduces_the_amax_over_ranks(tmp_path):
+    """DDP: each rank sees its own batch; a scale from one rank's amax clips the others' larger values (DDP
+    broadcasts rank 0's buffers, so rank 1's amax 5 was lost). The sync takes the ranks' maximum, as TE's
+    reduce_amax: both ranks' scales are those of amax 5."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "r")
+    mp.start_processes(_amax_rank, args=(2, str(tmp_path / "rdv"), out), nprocs=2, start_method="spawn")
+    got = [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
+    want = scale_from_amax(torch.tensor(5.0), E4M3, 0)
+    for g in got:
+        assert g["scale"].item() == want.item() and g["history"].max().item() == 5.0

@@ -120,6 +120,8 @@ def dense_step_sums(
     )
     for i, h in unroll:
         n = T - 2 - i  # index t < n has a token x_{t+2+i} to predict
+        if n <= 0:  # a bucket no longer than the unroll: the later steps have nothing to predict
+            break
         valid = batch.loss_mask[:, 2 + i :].bool() & batch.target_in_vocab[:, 1 + i : T - 1]  # [B, n]
         lg = draft.logits(h[:, :n])  # [B, n, V']
         ce = soft_cross_entropy(lg.reshape(B * n, -1), target_p[:, 1 + i : 1 + i + n].reshape(B * n, -1))

@@ -77,6 +77,7 @@ from maverick.cli import (
 )
 from maverick.config import Llama4Config
 from maverick.files import atomic_dir, atomic_path, atomic_write
+from maverick.fp8 import fp8_disabled
 from maverick.target import TARGET_DTYPES, default_target_path, load_target_tables, target_identity
 from train.dump import DumpDataset
 from train.online import OnlineDataset
@@ -926,7 +927,10 @@ def _train(acc, cfg, data, vocab, embed_weight, lm_head_weight, target_cfg, eval
             ) from exc
         last, tokens = step + 1, tokens + record["tokens"]
         if eval_data is not None and cfg.eval_every and (last % cfg.eval_every == 0 or last == cfg.steps):
-            record |= evaluate(run.objective, eval_data, run.lm_rows, run.t2d, cfg, acc)
+            # FP8 drafts are scored in high precision (what is saved and served), and their delayed scaling
+            # does not take the held-out activations' amaxes into the training scales
+            with fp8_disabled(run.draft) if cfg.fp8 else contextlib.nullcontext():
+                record |= evaluate(run.objective, eval_data, run.lm_rows, run.t2d, cfg, acc)
         if last % cfg.log_every == 0 or last == stop:
             run.log(record)
         if bar is not None:
