@@ -233,7 +233,7 @@ def hf_model_config(path: str | os.PathLike) -> tuple[Llama4Config, bool]:
         return hf_llama.config_from_hf(d, source), True
     _check_llama4(d, source)
     try:
-        return Llama4Config.from_hf_dict(d), False
+        return Llama4Config.from_hf_dict(d, hf_defaults=True), False
     except ValueError as exc:  # a field of the wrong type or value (Llama4Config's checks)
         raise CheckpointError(f"{source}: {exc}") from None
 

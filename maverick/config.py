@@ -180,11 +180,15 @@ class Llama4Config:
 
     # ---- HF config.json ----
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> Llama4Config:
-        """Accepts Llama4TextConfig fields, or a Llama4Config with a nested `text_config`."""
+    def from_hf_dict(cls, d: dict[str, Any], hf_defaults: bool = False) -> Llama4Config:
+        """Accepts Llama4TextConfig fields, or a Llama4Config with a nested `text_config`. hf_defaults: a field
+        the dict leaves out takes transformers' Llama4TextConfig default where it differs from ours (a
+        config.json written by hand: transformers reads a missing use_qk_norm as True)."""
         if "text_config" in d:
             d = d["text_config"]
         d = dict(d)
+        if hf_defaults:
+            d = HF_TEXT_DEFAULTS | d
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         # HF v5 keeps rope_theta / scaling in `rope_parameters`; older files use rope_theta + rope_scaling.
         rp = d.pop("rope_parameters", None)
@@ -192,8 +196,10 @@ class Llama4Config:
             rp = dict(rp)
             if "rope_theta" in rp:
                 d.setdefault("rope_theta", rp.pop("rope_theta"))
-            if rp.get("rope_type", "default") != "default":
-                d.setdefault("rope_scaling", rp)
+            if rp.get("rope_type", "default") != "default" and not d.get(
+                "rope_scaling"
+            ):  # "rope_scaling": null too
+                d["rope_scaling"] = rp
         if d.get("head_dim") is None and "hidden_size" in d and "num_attention_heads" in d:
             d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
         kwargs = {k: v for k, v in d.items() if k in names}
@@ -220,6 +226,7 @@ class Llama4Config:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> Llama4Config:
+        """An HF checkpoint's config.json (or its directory); missing fields as transformers reads them."""
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
@@ -229,13 +236,18 @@ class Llama4Config:
             raise FileNotFoundError(f"no config.json at {path}") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_hf_dict(d)
+        return cls.from_hf_dict(d, hf_defaults=True)
 
     def save_json(self, path: str | os.PathLike) -> None:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
         atomic_write(path, json.dumps(self.to_hf_dict(), indent=2, sort_keys=True))
+
+
+# transformers' Llama4TextConfig defaults where ours (Maverick's) differ: what a config.json without the field means
+HF_TEXT_DEFAULTS = {"use_qk_norm": True, "num_local_experts": 16, "interleave_moe_layer_step": 1,
+                    "max_position_embeddings": 131072}  # fmt: skip
 
 
 # ---- the registry of named configs ----

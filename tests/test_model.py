@@ -80,6 +80,24 @@ def test_an_empty_no_rope_layers_is_derived_as_transformers_does():
     assert Llama4Config.from_hf_dict(d).no_rope_layers == Llama4TextConfig(**d).no_rope_layers
 
 
+def test_a_config_json_without_a_field_reads_as_transformers_reads_it(tmp_path):
+    """Fields a hand-written config.json leaves out take transformers' defaults (ours are Maverick's): a
+    missing use_qk_norm is True there, and loading it as False gave logits 3.8 off. A llama3 scaling kept in
+    rope_parameters beside "rope_scaling": null is the scaling transformers applies."""
+    d = {"hidden_size": 64, "intermediate_size": 128, "intermediate_size_mlp": 128, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    ours, hf = Llama4Config.from_json(tmp_path), Llama4TextConfig(**d)
+    for name in ("use_qk_norm", "num_local_experts", "interleave_moe_layer_step", "max_position_embeddings"):
+        assert getattr(ours, name) == getattr(hf, name), name
+    assert ours.moe_layers == hf.moe_layers and ours.use_qk_norm is True
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 10000.0}  # fmt: skip
+    cfg = Llama4Config.from_hf_dict(d | {"rope_scaling": None, "rope_parameters": scaling})
+    assert cfg.rope_scaling["rope_type"] == "llama3" and cfg.rope_scaling["factor"] == 8.0
+    assert cfg.rope_theta == 10000.0
+
+
 def test_wrong_nope_numbering_is_caught(tmp_path):
     """Control: counting NoPE layers from 0 (torchtitan's mistake) must break parity."""
     cfg = tiny()
