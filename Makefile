@@ -26,7 +26,7 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ''
 
-# the main job, ~1.5 minutes on 2 cores: 3 MT-bench questions x 2 turns, 7 methods; bench-full: 10 questions,
+# the main job, 2-3 minutes on 2 cores: 3 MT-bench questions x 2 turns, 7 methods; bench-full: 10 questions,
 # every method; bench-engine: eager vs compiled, bf16 vs 4-bit, and llama.cpp (pip install -e '.[llamacpp]')
 bench: $(STAMP)
 	$(BIN)/python -m eval.bench --preset quick

@@ -1,7 +1,7 @@
 """The main job: speed and quality of every decoding method, side by side, in one run.
 
     python -m eval.bench                       # MT-bench, SmolLM2-135M-Instruct + the shipped draft
-    python -m eval.bench --preset quick        # 3 questions, 7 methods: ~1.5 minutes on 2 cores
+    python -m eval.bench --preset quick        # 3 questions, 7 methods: 2-3 minutes on 2 cores
     python -m eval.bench --preset engine       # eager vs compiled, bf16 vs 4-bit, llama.cpp if installed
     python -m eval.bench --bench humaneval --n 20 --methods ours-plain,eagle3-tuned
 
@@ -43,7 +43,7 @@ the prompts this process ran).
 
 Output: the config first, a progress bar, then a compact table (accept@1-3); report.json (all records),
 report.md (every column) and plots in --out. `--preset quick` (make bench) runs 3 questions and the
-methods that tell the story in ~1.5 minutes on 2 cores; `--preset full` (the default; make bench-full) all
+methods that tell the story in 2-3 minutes on 2 cores; `--preset full` (the default; make bench-full) all
 default methods on 10; `--preset engine` (make bench-engine) the engines side by side on 3, llama.cpp's
 rows included when llama-cpp-python is installed (compiling the two engines takes ~9 minutes the first
 time on 2 cores; the 4-bit engine's graphs load from the cache after that).
@@ -116,7 +116,7 @@ ALL_METHODS = [
     "eagle3-tuned+lookup+q4",
 ]
 # --preset: the methods that tell the story on a few questions, or every default method on ten. quick took
-# 1.5 minutes on 2 cores (3 questions x 2 turns x 128 tokens x 7 methods: ~800 tokens per method at the
+# 2-3 minutes on 2 cores (3 questions x 2 turns x 128 tokens x 7 methods: ~800 tokens per method at the
 # tok/s of docs/results.md, plus loading); full is today's 20-minute run. Flags given explicitly win.
 QUICK_METHODS = [
     "hf-generate",
@@ -494,7 +494,7 @@ def main(argv=None) -> int:
                        help=f"continue the run in --out from its {PROGRESS_FILE} (the same settings; a larger --n "
                             "extends it)")  # fmt: skip
     ap.add_argument("--preset", choices=list(PRESETS), default="full",
-                    help="quick: 3 questions, 7 methods (make bench, ~2 min on 2 cores); full: the defaults above "
+                    help="quick: 3 questions, 7 methods (make bench, 2-3 min on 2 cores); full: the defaults above "
                          "(make bench-full, ~20 min); engine: eager vs compiled engines and llama.cpp "
                          "(make bench-engine); explicit --n / --methods override it")  # fmt: skip
     ap.set_defaults(**PRESETS[ap.parse_known_args(argv)[0].preset])
