@@ -116,7 +116,11 @@ class StepProfiler:
         # kineto lists a kernel twice (as its own CUDA event and in its launching op's self device time) and
         # the step's span on the GPU as an annotation: the device's time is its kernels' alone, as torch's
         # own table sums it; with graph replays no aten op holds the kernels, so they are what is ranked
-        kernels = [e for e in events if e.device_type != DeviceType.CPU and not e.is_user_annotation]
+        kernels = [
+            e
+            for e in events
+            if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)
+        ]
         out["device_ms"] = round(sum(_device_us(e) for e in kernels) / 1e3 / n, 3)
         out["ops"] = self._ops(sorted(kernels, key=_device_us, reverse=True), n)
         out["host_ops"] = self._ops(sorted(host, key=lambda e: e.self_cpu_time_total, reverse=True), n)
