@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from maverick.cli import UserError, output_file, positive_int, read_utf8, run_cli
+from maverick.cli import UserError, jsonl_objects, output_file, positive_int, read_utf8, run_cli
 from maverick.files import atomic_path
 from train.fit import LOG_FILE
 
@@ -26,26 +26,26 @@ def read_log(run: str | os.PathLike) -> list[dict]:
     path = Path(run) if str(run).endswith(".jsonl") else Path(run) / LOG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no training log (train_log.jsonl of python -m train.fit)")
-    lines = [(n, line) for n, line in enumerate(read_utf8(path).splitlines(), start=1) if line.strip()]
-    records = []
-    for i, (n, line) in enumerate(lines):
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if i == len(lines) - 1 and i > 0:
-                print(f"{path}: line {n}: cut off mid-write, left out", file=sys.stderr)
-                break
-            raise UserError(f"{path}: line {n}: invalid JSON: {exc.msg} (column {exc.colno})") from None
-        records.append(_checked_record(path, n, rec))
+    lines = read_utf8(path).splitlines()
+    filled = [n for n, line in enumerate(lines, start=1) if line.strip()]
+    if len(filled) > 1 and not _is_json(lines[filled[-1] - 1]):
+        print(f"{path}: line {filled[-1]}: cut off mid-write, left out", file=sys.stderr)
+        lines = lines[: filled[-1] - 1]
+    records = [_checked_record(f"{path}: line {n}", rec) for n, rec in jsonl_objects(path, "\n".join(lines))]
     if not records:
         raise UserError(f"{path}: no log records (the run has not logged a step yet)")
     return records
 
 
-def _checked_record(path: Path, n: int, rec: object) -> dict:
-    where = f"{path}: line {n}"
-    if not isinstance(rec, dict):
-        raise UserError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+def _is_json(line: str) -> bool:
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def _checked_record(where: str, rec: dict) -> dict:
     for key in ("step", "loss", "acc_i"):
         if key not in rec:
             raise UserError(f"{where}: no {key!r} (not a train.fit log record)")
