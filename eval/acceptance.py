@@ -115,6 +115,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return _main(args, sampling, dtype, shard)
 
 
+def _tail(path: str, width: int = 48) -> str:
+    """A draft's path for the table: whole if it fits, else its end after an ellipsis."""
+    return path if len(path) <= width else "…" + path[-(width - 1) :]
+
+
 def _main(args, sampling: SamplingParams, dtype: torch.dtype, shard) -> dict[str, Any]:
     rank0 = shard is None or shard.rank == 0
     progress = functools.partial(tqdm, unit="answer", file=sys.stderr, leave=False, disable=not rank0)
@@ -183,7 +188,7 @@ def _main(args, sampling: SamplingParams, dtype: torch.dtype, shard) -> dict[str
             }
         result["drafts"][path] = s
         print(
-            f"{path[-48:]:48s} {s['positions']:9d} | {' '.join(f'{v:.3f}' for v in s['p_run_ge'])} | "
+            f"{_tail(path):48s} {s['positions']:9d} | {' '.join(f'{v:.3f}' for v in s['p_run_ge'])} | "
             f"{' '.join(f'{v:.3f}' for v in s['tau'].values())} | "
             f"{' '.join(f'{v:.3f}' for v in s['tau_walked'].values())} | {s['in_vocab']:8.3f} | "
             f"{s['confident']:.3f}, {s['p_run_ge_1_confident']:.3f}",
@@ -195,7 +200,7 @@ def _main(args, sampling: SamplingParams, dtype: torch.dtype, shard) -> dict[str
         d = paired_difference(reaches[first], reaches[path], asked.prompt_of, k)
         result["drafts"][path]["against_first"] = d
         print(
-            f"{path[-48:]} less {first[-48:]}, paired over the same answers (95% bootstrap over the "
+            f"{_tail(path)} less {_tail(first)}, paired over the same answers (95% bootstrap over the "
             f"{d['clusters']} prompts): tau({k}) {d['tau']:+.3f} [{d['tau_ci95'][0]:+.3f}, "
             f"{d['tau_ci95'][1]:+.3f}], walked {d['tau_walked']:+.3f} [{d['tau_walked_ci95'][0]:+.3f}, "
             f"{d['tau_walked_ci95'][1]:+.3f}]"

@@ -308,3 +308,12 @@ def test_paired_difference_is_the_difference_with_a_bootstrap_interval_over_prom
     apart = paired_difference(b + b, c + c, list(range(400)), 1)
     width = lambda r: r["tau_ci95"][1] - r["tau_ci95"][0]  # noqa: E731
     assert abs(width(twice) / width(d) - 1) < 0.15 and abs(width(d) / width(apart) - 2**0.5) < 0.2
+
+
+def test_the_table_marks_a_draft_path_cut_to_its_end():
+    from eval.acceptance import _tail
+
+    assert _tail("runs/stage7/out/draft") == "runs/stage7/out/draft"
+    long = "/home/someone/experiments/2026-12/stage-seven/out/draft"
+    shown = _tail(long)
+    assert len(shown) == 48 and shown[0] == "\u2026" and long.endswith(shown[1:])
