@@ -120,3 +120,22 @@ def test_a_speculative_profile_gets_its_cycles_however_many_tokens_each_emits():
     prof = gd.profile_method(dec, p, 10, "cpu")
     assert prof is not None and prof["steps"] == 10
     assert dec.tcache.lengths[0] < len(p) + 5 * 17  # it ended once recorded, not at the budget
+
+
+def test_a_tree_check_without_its_engine_is_named_in_the_errors(tmp_path, monkeypatch):
+    """--tree-check checks the compiled engine: when it cannot be built (or no compiled method was asked
+    for), the JSON says the check did not run; it was left out without a word."""
+    gd = load_script()
+    prompts = tmp_path / "prompts.json"
+    assert gd.main(["--prepare", "--n", "1", "--prompts", str(prompts)]) == 0
+
+    def fails(*a, **kw):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr("maverick.compiled.CompiledTarget", fails)
+    argv = ["--device", "cpu", "--gguf", str(default_gguf_path()), "--prompts", str(prompts), "--n", "1",
+            "--max-new-tokens", "2", "--methods", "eager-plain", "--tree-check", "--out", str(tmp_path)]  # fmt: skip
+    assert gd.main(argv) == 1
+    r = json.loads((tmp_path / "gpu_decode.json").read_text())
+    assert "no compiler here" in r["errors"]["compile"] and "not run" in r["errors"]["tree-check"]
+    assert "tree_check" not in r and r["summary"]["eager-plain"]["tokens"] == 2  # the methods still ran
