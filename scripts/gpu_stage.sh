@@ -95,16 +95,18 @@ run() {
   local minutes=${1:?minutes}
   assemble
   if [ "${RUN_TESTS:-1}" = 1 ]; then  # this work's CUDA tests first (at most 100 s; RUN_TESTS=0 skips them)
-    timeout -k 10 100 "${DEVICE_PYTHON:-python3}" -m pytest -q -p no:cacheprovider -m cuda tests/test_fastgen.py \
+    timeout --foreground -k 10 100 "${DEVICE_PYTHON:-python3}" -m pytest -q -p no:cacheprovider -m cuda tests/test_fastgen.py \
       tests/test_fastfit.py > "$OUT/cuda_tests.log" 2>&1 || true
     tail -3 "$OUT/cuda_tests.log"
   fi
   # the stage stops itself at its budget; the timeout only guards against a hang, so packing always runs:
   # Ctrl-C first (the stage flushes what it has), a kill 20 s later (a hang in native code ignores Ctrl-C).
+  # --foreground keeps both in the call's process group: without it `timeout` makes a group of its own, and a
+  # call the device tool stops at its limit (by group) left the stage running, to race the next call's stage.
   # Worst case with the tests: ~5 + 110 + 5.5 * 60 + 90 + 20 + packing ~ 560 s, the README's timeout_s
   local limit=$(awk -v m="$minutes" 'BEGIN { print int(m * 60 + 90) }')
   set +e
-  timeout -k 20 --signal=INT "$limit" "${DEVICE_PYTHON:-python3}" -m train.stage --minutes "$minutes" --init-draft "${INIT:-$INIT_DRAFT}" \
+  timeout --foreground -k 20 --signal=INT "$limit" "${DEVICE_PYTHON:-python3}" -m train.stage --minutes "$minutes" --init-draft "${INIT:-$INIT_DRAFT}" \
     --out "$STAGE/out" --target "$STAGE/payload/$GGUF_NAME" --data "$STAGE/payload/data.jsonl.xz" \
     ${STAGE_ARGS---max-answers-mib 30 --profile-steps 8} 2>&1 | tee "$OUT/stage.log"
   local rc=${PIPESTATUS[0]}
