@@ -281,9 +281,9 @@ def test_interrupted_training_resumes_from_its_checkpoint(tmp_path, monkeypatch)
     revive = kill_training_at(5, monkeypatch)
     with pytest.raises(RuntimeError, match="killed"):
         run(target, data, out, "--checkpoint-seconds", "0", "--max-conversations", "5")
-    assert (out / "train_state.pt").is_file() and set(
-        json.loads((out / "stage.json").read_text())["phases"]
-    ) == {"regen"}
+    killed = json.loads((out / "stage.json").read_text())
+    assert (out / "train_state.pt").is_file() and set(killed["phases"]) == {"regen"}
+    assert killed["minutes"] > 0  # the killed run's minutes count (they were added at a run's end only)
     revive()
     (out / "train_state.pt.tmp-1-0000abcd").write_bytes(
         b"half"
@@ -291,6 +291,7 @@ def test_interrupted_training_resumes_from_its_checkpoint(tmp_path, monkeypatch)
     s = run(target, data, out, "--checkpoint-seconds", "0")
     tr = s["phases"]["train"]
     assert (tr["steps"], tr["steps_this_run"]) == (6, 2) and s["phases"]["regen"]["conversations"] == 5
+    assert s["runs"] == 2 and s["minutes"] > killed["minutes"]
     assert [json.loads(x)["step"] for x in (out / "train_log.jsonl").read_text().splitlines()] == [2, 4, 6]
     assert not (out / "train_state.pt").exists() and not list(out.glob("*.tmp-*"))
 

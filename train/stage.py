@@ -148,6 +148,8 @@ class Stage:
         self.state.setdefault("phases", {})
         self.state.setdefault("runs", 0)
         self.state["runs"] += 1
+        self.minutes_before = self.state.get("minutes", 0)  # earlier runs', interrupted ones included
+        self.saved = json.loads(json.dumps(self.state))  # the state as last saved (save_minutes)
         self.device = torch.device(args.device)
         self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
         self.init = Path(args.init_draft) if args.init_draft else None
@@ -170,8 +172,17 @@ class Stage:
     def left(self) -> float:
         return self.budget - (time.perf_counter() - self.t0)
 
+    def minutes(self) -> float:
+        return round(self.minutes_before + (time.perf_counter() - self.t0) / 60, 4)
+
     def save_state(self) -> None:
+        self.state["minutes"] = self.minutes()  # so far, at every save
+        self.saved = json.loads(json.dumps(self.state))
         atomic_write(self.out / STATE, json.dumps(self.state, indent=1) + "\n")
+
+    def save_minutes(self) -> None:
+        """An interrupted or failed run's minutes, into the state as last saved (its phases as they were)."""
+        atomic_write(self.out / STATE, json.dumps({**self.saved, "minutes": self.minutes()}, indent=1) + "\n")
 
     # ---- 1. regeneration ----
     def regenerate(self) -> None:
@@ -506,11 +517,21 @@ class Stage:
 
     def run(self) -> dict:
         a = self.args
-        ph = self.state["phases"]
         self.state["config"] = {k: v for k, v in vars(a).items()}
         self.state["device"] = (
             torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         )
+        try:
+            self.run_phases()
+        except BaseException:  # Ctrl-C (the device script's limit), a failed training: its minutes count
+            self.save_minutes()
+            raise
+        self.state["out_bytes"] = sum(f.stat().st_size for f in self.out.rglob("*") if f.is_file())
+        self.save_state()
+        return self.state
+
+    def run_phases(self) -> None:
+        a, ph = self.args, self.state["phases"]
         for name, fn in (("regen", self.regenerate), ("train", self.train), ("score", self.score)):
             if name in ph:
                 print(f"{name}: done in an earlier run", flush=True)
@@ -532,10 +553,6 @@ class Stage:
             print(f"{name}: {json.dumps(ph[name])} ({time.perf_counter() - t:.0f} s)", flush=True)
             if a.stop_after == name:
                 break
-        self.state["minutes"] = round(self.state.get("minutes", 0) + (time.perf_counter() - self.t0) / 60, 2)
-        self.state["out_bytes"] = sum(f.stat().st_size for f in self.out.rglob("*") if f.is_file())
-        self.save_state()
-        return self.state
 
 
 def _continued(rec: dict) -> list[list[int]]:
