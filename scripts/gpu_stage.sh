@@ -16,7 +16,7 @@
 #                                               scripts/gpu_decode.py ARGS on the payload's GGUF and prompts
 #   bash scripts/gpu_stage.sh unpack DIR OUTDIR here: put the returned pieces together into OUTDIR
 #
-# Why pieces: a call carries at most 64 MiB with the repository (31 MiB tracked), the GGUF is 94 MiB; and
+# Why pieces: a call carries at most 64 MiB with the repository (32 MiB tracked), the GGUF is 94 MiB; and
 # a returned file may be at most 16 MiB (the draft alone is 19 MiB), so results come back as a split tar.
 set -euo pipefail
 
