@@ -93,6 +93,9 @@ class SpecStats:
     # decoding's
     accepted: list[int] = field(default_factory=list)
     accepted_rows: list[list[int]] = field(default_factory=list)
+    # per cycle, row 0's accepted draft tokens that the stop token or the budget cut from the output
+    # (accepted + cut is what the target accepted: the acceptance rates per draft position read it)
+    cut: list[int] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)  # k per cycle (trees: the depth)
     lookup_rows: list[int] = field(default_factory=list)  # per cycle: rows whose draft was copied
     store_rows: list[int] = field(default_factory=list)  # per cycle: of those, rows copied from the datastore
@@ -357,6 +360,7 @@ class SpecDecoder:
                     stats.accepted_rows[-1][live] -= cut
                     if b == 0:
                         stats.accepted[-1] -= cut
+                        stats.cut[-1] = cut
                 live += 1
             if on_cycle is not None:
                 on_cycle(emitted)
@@ -473,6 +477,7 @@ class SpecDecoder:
             self.policy.record_cycle(copied_tokens, 0.0 if any(use_draft) else (t1 - t0) + (t3 - t2))
         stats.cycles += 1
         stats.accepted.append(acc_l[0])
+        stats.cut.append(0)
         stats.accepted_rows.append([a for a, v in zip(acc_l, live) if v])
         stats.draft_lengths.append(lens[0])
         stats.lookup_rows.append(len(copied))
@@ -625,6 +630,7 @@ class SpecDecoder:
         stats.cycles += 1
         stats.accepted.append(a)
         stats.accepted_rows.append([a])
+        stats.cut.append(0)
         stats.draft_lengths.append(cfg.depth)  # the longest path that could be accepted
         stats.tree_nodes.append(len(keep))
         stats.lookup_rows.append(0)

@@ -359,7 +359,7 @@ class Runner:
         g = self.dec.generate([ids], max_new_tokens, self.sampling, self.eos, generator)
         s = g.stats["spec"]
         stats = {"seconds": g.seconds, "ttft": g.ttft, "cycles": s.cycles, "accepted": s.accepted}
-        stats |= {"draft_lengths": s.draft_lengths, "draft_seconds": s.draft_seconds}
+        stats |= {"draft_lengths": s.draft_lengths, "cut": s.cut, "draft_seconds": s.draft_seconds}
         stats["verify_seconds"] = s.verify_seconds
         stats["lookup_cycles"], stats["store_cycles"] = s.lookup_cycles, s.store_cycles
         return g.tokens[0], stats
@@ -708,6 +708,7 @@ def run_prompt(i, prompt, methods, runners, args, tok, eos, cut, bar) -> list[Ru
                     cycles=st.get("cycles", 0),
                     accepted=st.get("accepted", []),
                     draft_lengths=st.get("draft_lengths", []),
+                    cut=st.get("cut", []),
                     draft_seconds=st.get("draft_seconds", 0.0),
                     verify_seconds=st.get("verify_seconds", 0.0),
                     lookup_cycles=st.get("lookup_cycles", 0),

@@ -224,6 +224,7 @@ def run_record(method: str, prompt_id: str, gen: Generation, dtype: str = "bf16"
             cycles=spec.cycles,
             accepted=acc,
             draft_lengths=list(spec.draft_lengths),
+            cut=list(spec.cut),
             draft_seconds=spec.draft_seconds,
             verify_seconds=spec.verify_seconds,
             lookup_cycles=spec.lookup_cycles,

@@ -13,7 +13,8 @@ Definitions, chosen to match how the EAGLE papers and production engines report 
   has no cycles and gets None, not 1.0, so the table cannot mix the two up.
 - The acceptance rate at draft position i is conditional on reaching it: among cycles that drafted
   at least i tokens, the fraction whose first i draft tokens were all accepted (chain drafting
-  accepts a prefix, so "position i accepted" means accepted >= i).
+  accepts a prefix, so "position i accepted" means accepted >= i), by the target's verify: tokens a stop
+  token or the budget cut from the output count as accepted here (RunRecord.cut).
 - Greedy speculative decoding must be lossless, so every method's output_ids are compared with the
   baseline's for the same (prompt, turn); any difference is a bug and is printed as a FAIL.
 """
@@ -55,6 +56,9 @@ class RunRecord:
     cycles: int = 0
     accepted: list[int] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)
+    # per cycle (or empty: none), accepted draft tokens the stop token or the budget cut from the output:
+    # tau counts `accepted` (what reached the output), the acceptance rates accepted + cut (what was accepted)
+    cut: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     lookup_cycles: int = 0  # cycles whose draft was copied (eagle3/lookup.py, eagle3/datastore.py)
@@ -91,10 +95,13 @@ class RunRecord:
                 f"{where}: 'accepted' ({len(self.accepted)}) and 'draft_lengths' "
                 f"({len(self.draft_lengths)}) must both have one entry per cycle (cycles={self.cycles})"
             )
-        for c, (a, k) in enumerate(zip(self.accepted, self.draft_lengths)):
-            if k < 1 or not 0 <= a <= k:
+        if self.cut and len(self.cut) != self.cycles:
+            raise ValueError(f"{where}: 'cut' ({len(self.cut)}) must be empty or have one entry per cycle")
+        for c, (a, k, x) in enumerate(zip(self.accepted, self.draft_lengths, self.cut or [0] * self.cycles)):
+            if k < 1 or not 0 <= a <= a + x <= k:
                 raise ValueError(
-                    f"{where}: cycle {c} has accepted={a}, draft_length={k}; need 1 <= k and 0 <= accepted <= k"
+                    f"{where}: cycle {c} has accepted={a}, cut={x}, draft_length={k}; need 1 <= k and "
+                    "0 <= accepted <= accepted + cut <= k"
                 )
 
     @classmethod
@@ -152,8 +159,13 @@ def _speedups(mine: list[RunRecord], other: list[RunRecord] | None) -> tuple[flo
     return _ratio(_tps(mine), _tps(other)), (sum(ratios) / len(ratios) if ratios else None)
 
 
-def acceptance_rates(accepted: Sequence[int], draft_lengths: Sequence[int]) -> list[float]:
-    """Per draft position i = 1..max k: accepted cycles among those that drafted at least i."""
+def acceptance_rates(
+    accepted: Sequence[int], draft_lengths: Sequence[int], cut: Sequence[int] = ()
+) -> list[float]:
+    """Per draft position i = 1..max k: accepted cycles among those that drafted at least i. `cut`: per cycle,
+    accepted tokens a stop token or the budget kept from the output (accepted all the same)."""
+    if cut:
+        accepted = [a + x for a, x in zip(accepted, cut, strict=True)]
     rates = []
     for i in range(1, max(draft_lengths, default=0) + 1):
         reached = [a for a, k in zip(accepted, draft_lengths) if k >= i]
@@ -176,6 +188,7 @@ def _summarise_method(
 
     accepted = [a for r in mine for a in r.accepted]
     draft_lengths = [k for r in mine for k in r.draft_lengths]
+    cut = [x for r in mine for x in (r.cut or [0] * r.cycles)]
     cycles = len(accepted)
     counts = [0] * (max(draft_lengths, default=-1) + 1)
     for k in draft_lengths:
@@ -215,7 +228,7 @@ def _summarise_method(
         speedup_hf_mean=speedup_hf_mean,
         cycles=cycles,
         tau=(sum(accepted) + cycles) / cycles if speculative else None,
-        accept_rates=acceptance_rates(accepted, draft_lengths),
+        accept_rates=acceptance_rates(accepted, draft_lengths, cut),
         draft_length_counts=counts,
         mean_draft_length=sum(draft_lengths) / cycles if speculative else None,
         draft_share=sum(r.draft_seconds for r in mine) / seconds if speculative else None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -180,6 +180,17 @@ def test_tuned_draft_lengths_condition_acceptance_on_reaching_the_position():
     assert acceptance_rates([], []) == []
 
 
+def test_a_cut_last_cycle_counts_in_tau_as_emitted_and_in_the_rates_as_accepted():
+    """The budget kept 2 of the last cycle's 4 accepted tokens (+ bonus) from the output: tau counts the
+    tokens the cycles emitted, the rate at each position what the target's verify accepted."""
+    base = single_prompt_records()[2]  # accepted [3, 1, 0, 4], k 4
+    cut = replace(base, method="eagle3-tuned", accepted=[3, 1, 0, 1], cut=[0, 0, 0, 3])
+    s = by_method(summarise([*single_prompt_records()[:2], cut]))["eagle3-tuned"]
+    assert s.tau == (3 + 1 + 0 + 1 + 4) / 4  # emitted per cycle
+    assert s.accept_rates == [0.75, 0.5, 0.5, 0.25]  # as uncut: base's rates
+    assert acceptance_rates([3, 1, 0, 1], [4] * 4) == [0.75, 0.25, 0.25, 0.0]  # read without the cut: too low
+
+
 def test_mismatch_count_and_first_differing_token():
     s = by_method(summarise(two_prompt_records()))
     e, t = s["eagle3-k4"], s["eagle3-tuned"]
@@ -218,8 +229,12 @@ def test_missing_baselines_give_none():
 def test_record_validation_names_the_field():
     with pytest.raises(ValueError, match="'accepted' \\(3\\).*cycles=4"):
         RunRecord("m", "p", 0, 10, 1.0, 0.1, cycles=4, accepted=[1, 1, 1], draft_lengths=[2] * 4)
-    with pytest.raises(ValueError, match="cycle 1 has accepted=3, draft_length=2"):
+    with pytest.raises(ValueError, match="cycle 1 has accepted=3, cut=0, draft_length=2"):
         RunRecord("m", "p", 0, 10, 1.0, 0.1, cycles=2, accepted=[1, 3], draft_lengths=[2, 2])
+    with pytest.raises(ValueError, match="cycle 0 has accepted=1, cut=2, draft_length=2"):
+        RunRecord("m", "p", 0, 10, 1.0, 0.1, cycles=1, accepted=[1], cut=[2], draft_lengths=[2])
+    with pytest.raises(ValueError, match="'cut' \\(1\\) must be empty or have one entry per cycle"):
+        RunRecord("m", "p", 0, 10, 1.0, 0.1, cycles=2, accepted=[1, 1], cut=[0], draft_lengths=[2, 2])
     with pytest.raises(ValueError, match="'seconds' must be > 0"):
         RunRecord("m", "p", 0, 10, 0.0, 0.0)
     with pytest.raises(ValueError, match="'ttft' must be a finite number"):

@@ -222,6 +222,13 @@ def test_on_output_streams_exactly_the_returned_tokens(target):
                 ran[b].append(a + 1)
         assert [1 + sum(r) for r in ran] == [len(t) for t in got.tokens]
         assert spec.tau == sum(len(t) - 1 for t in got.tokens) / sum(map(len, ran)) and spec.accepted[-1] >= 0
+        # row 0's verify accepted accepted + cut (the acceptance rates per draft position read that): the
+        # cycle that met the stop token cut the rest of its accepted run
+        last = len(ran[0]) - 1  # row 0's last cycle
+        assert [a + x for a, x in zip(spec.accepted, spec.cut)][: last + 1] == [
+            len(c[0]) - 1 for c in cycles
+        ][: last + 1]
+        assert spec.cut[last] > 0 and not any(spec.cut[:last])
 
 
 def test_batch_rows_that_finish_early_stay_frozen(target):
