@@ -57,8 +57,9 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if params.greedy:
         return F.one_hot(x.argmax(-1), V).to(torch.float32)
     # the largest logit to 0 first: a tiny temperature then sends the rest to -inf, not every logit to inf
-    # (a temperature below ~1e-38 made NaN probabilities)
-    x = (x - x.amax(-1, keepdim=True)) / params.temperature
+    # (a temperature below ~1e-38 made NaN probabilities); one below float32's smallest normal (which would
+    # round to 0 in the division: 0 / 0) divides as that number, already the argmax's limit
+    x = (x - x.amax(-1, keepdim=True)) / max(params.temperature, torch.finfo(torch.float32).tiny)
     if 0 < params.top_k < V:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -102,11 +102,13 @@ def test_logits_to_probs_top_p_keeps_the_top_token_and_ties_in_top_k():
 
 
 def test_a_tiny_temperature_is_the_argmax_not_nan():
-    """--temperature 1e-39 divided the logits to inf, and softmax made NaN (a traceback at the first draw)."""
+    """--temperature 1e-39 divided the logits to inf, and softmax made NaN (a traceback at the first draw); bf16
+    logits too."""
     logits = torch.tensor([[2.0, 1.0, 3.0, -1.0], [0.5, 0.5, 0.0, 0.0]])
-    for t in (1e-39, 1e-45, 1e-30):
+    for t in (1e-39, 1e-45, 1e-30, 1e-46, 1e-300, 5e-324):  # below ~7e-46 float32 rounds t to 0
         probs = logits_to_probs(logits, SamplingParams(temperature=t))
         assert torch.equal(probs, torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.5, 0.5, 0.0, 0.0]])), t
+        assert torch.equal(logits_to_probs(logits.bfloat16(), SamplingParams(temperature=t)), probs), t
 
 
 def test_sampling_params_reject_bad_values():
