@@ -196,8 +196,11 @@ def clear_inductor_cache(directory: Path = INDUCTOR_DIR, budget_gib: float | Non
         budget_gib = float(os.environ.get("MAVERICK_INDUCTOR_GIB", 4))
     if not directory.is_dir():
         return False
-    size = sum(
-        st.st_size for f in directory.rglob("*") if not f.is_symlink() and (st := _stat(f)) is not None
+    size = sum(  # os.walk skips a folder gone since its parent was listed (Path.rglob raised)
+        st.st_size
+        for root, _, names in os.walk(directory)
+        for f in (Path(root, n) for n in names)
+        if not f.is_symlink() and (st := _stat(f)) is not None
     )
     if size <= budget_gib * 2**30:
         return False

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -307,6 +308,29 @@ def test_inductor_cache_is_cleared_past_its_budget(tmp_path):
     assert clear_inductor_cache(cache, budget_gib=3999 / 2**30)
     assert not cache.exists()
     assert not clear_inductor_cache(cache, budget_gib=0)  # nothing there: nothing to do
+
+
+def test_inductor_cache_size_skips_a_folder_another_process_deleted_meanwhile(tmp_path, monkeypatch):
+    """Another process's clear (rmtree) or triton's temporary folders can vanish between a folder's listing
+    and its walk: skipped, not a FileNotFoundError after a build that succeeded."""
+    import maverick.aot as aot
+
+    cache = tmp_path / "inductor"
+    for sub in ("a", "b", "c"):
+        (cache / sub / "deep").mkdir(parents=True)
+        (cache / sub / "deep" / "f.bin").write_bytes(bytes(1000))
+    real_stat, gone = aot._stat, []
+
+    def stat_while_another_process_deletes(p):
+        if not gone and p.name == "f.bin":  # mid-walk: the other folders go
+            for sub in {"a", "b", "c"} - set(p.parts):
+                shutil.rmtree(cache / sub)
+                gone.append(sub)
+        return real_stat(p)
+
+    monkeypatch.setattr(aot, "_stat", stat_while_another_process_deletes)
+    assert not clear_inductor_cache(cache, budget_gib=1500 / 2**30) and len(gone) == 2  # 1000 bytes left
+    assert clear_inductor_cache(cache, budget_gib=0) and not cache.exists()
 
 
 def test_rows_keep_their_bits_in_every_bucket(engine):
