@@ -247,7 +247,7 @@ class Llama4Config:
 
 # transformers' Llama4TextConfig defaults where ours (Maverick's) differ: what a config.json without the field means
 HF_TEXT_DEFAULTS = {"use_qk_norm": True, "num_local_experts": 16, "interleave_moe_layer_step": 1,
-                    "max_position_embeddings": 131072}  # fmt: skip
+                    "max_position_embeddings": 131072, "head_dim": 128}  # fmt: skip
 
 
 # ---- the registry of named configs ----

@@ -91,6 +91,12 @@ def test_a_config_json_without_a_field_reads_as_transformers_reads_it(tmp_path):
     for name in ("use_qk_norm", "num_local_experts", "interleave_moe_layer_step", "max_position_embeddings"):
         assert getattr(ours, name) == getattr(hf, name), name
     assert ours.moe_layers == hf.moe_layers and ours.use_qk_norm is True
+    del d[
+        "head_dim"
+    ]  # transformers' 128, not hidden / heads (ours computed 16: a checkpoint it loads refused)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    assert Llama4Config.from_json(tmp_path).head_dim == Llama4TextConfig(**d).head_dim == 128
+    d["head_dim"] = 16
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64, "rope_theta": 10000.0}  # fmt: skip
     cfg = Llama4Config.from_hf_dict(d | {"rope_scaling": None, "rope_parameters": scaling})
