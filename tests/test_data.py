@@ -152,6 +152,18 @@ def test_sharegpt_corrupt_record_before_a_cut_end_is_an_error(tmp_path):
         data.load_sharegpt(path)
 
 
+@pytest.mark.parametrize(
+    "tail", ['"value": "y" "z"}]}\n]\n', '"value": tru}]}]', '"value": "y"}]} {"id": "c"}]']
+)
+def test_sharegpt_corrupt_last_record_is_an_error(tmp_path, tail):
+    """A bad last record in a whole file (more JSON after the failure: the decoder did not run out of text)
+    is corruption, named; it was read as a cut and dropped with a 'file truncated' note."""
+    rec = {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}
+    path = _write(tmp_path / "bad.json", "[" + json.dumps(rec) + ',\n{"id": "b", "conversations": [' + tail)
+    with pytest.raises(ValueError, match=r"bad\.json: invalid JSON in record 1 at byte"):
+        data.load_sharegpt(path)
+
+
 def test_missing_wheel_says_how_to_install(monkeypatch):
     real = wheel_data.importlib.util.find_spec
     monkeypatch.setattr(

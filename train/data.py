@@ -181,15 +181,17 @@ _SEPARATORS = re.compile(r"[\s,]*")
 _ID_IN_TAIL = re.compile(r'"id"\s*:\s*"((?:[^"\\]|\\.)*)"')
 
 
-_NEXT_ELEMENT = re.compile(r",\s*\{")  # where a later object element of the array would start
+# what a cut can leave where the decoder fails: nothing, or a token's start ("tr", "-", "1e", "\\u12"); text
+# with a quote, bracket, brace, comma or colon after the failure is more JSON, so the element was corrupt
+_CUT_TAIL = re.compile(r'[^\s"{}\[\],:]{0,5}')
 
 
 def _scan_json_array(text: str, where: str) -> tuple[list[Any], int | None]:
     """Decode a JSON array element by element -> (elements, char index of an incomplete tail or None).
 
     A decode failure is the file's end cutting the last element short (truncation) when the decoder ran out
-    of text: an unterminated string runs to the end, or no whole element follows the failure. Otherwise the
-    file is corrupt in the middle and we raise, naming the element and byte. (Whether the text ends with
+    of text: an unterminated string runs to the end, or at most a token's start follows the failure.
+    Otherwise the element is corrupt (the last one too) and we raise, naming the element and byte. (Whether the text ends with
     `]` says nothing: a cut can fall just after any `]`, a list's or one inside a string.)
     """
     start = _SEPARATORS.match(text, 0).end()
@@ -207,7 +209,7 @@ def _scan_json_array(text: str, where: str) -> tuple[list[Any], int | None]:
         try:
             element, i = decoder.raw_decode(text, i)
         except json.JSONDecodeError as exc:
-            if _cut_short(text, exc, decoder):
+            if _cut_short(text, exc):
                 return elements, i
             byte = len(text[: exc.pos].encode("utf-8"))
             raise UserError(
@@ -216,17 +218,12 @@ def _scan_json_array(text: str, where: str) -> tuple[list[Any], int | None]:
         elements.append(element)
 
 
-def _cut_short(text: str, exc: json.JSONDecodeError, decoder: json.JSONDecoder) -> bool:
-    """Whether a decode error is the text ending mid-element rather than a bad element with more after it."""
+def _cut_short(text: str, exc: json.JSONDecodeError) -> bool:
+    """Whether a decode error is the text ending mid-element rather than a bad element with more after it
+    (a whole element after a bad one, or a bad last one closed by `]`, was taken for a cut: dropped unsaid)."""
     if exc.msg.startswith("Unterminated string"):  # raised only when the string reaches the end of the text
         return True
-    for m in _NEXT_ELEMENT.finditer(text, exc.pos):
-        try:
-            decoder.raw_decode(text, m.end() - 1)
-        except json.JSONDecodeError:
-            continue
-        return False  # a whole element after the error: corrupt in the middle
-    return True
+    return _CUT_TAIL.fullmatch(text[exc.pos :].strip()) is not None
 
 
 def load_sharegpt(path: str | pathlib.Path | None = None) -> tuple[list[dict[str, Any]], ShareGPTReport]:
