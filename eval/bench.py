@@ -154,18 +154,12 @@ STORE_SUFFIX = "+store"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def rss_mb() -> float:
-    """Resident memory of this process now (CPU); on CUDA the allocator's peak."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**20
-    return _status_mb("VmRSS")
-
-
-def reset_peak_memory() -> None:
-    """Start a new peak for `peak_memory_mb`: the CUDA allocator's, or on CPU the process's resident
-    high-water mark (Linux: writing 5 to /proc/self/clear_refs)."""
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
+def reset_peak_memory(device: torch.device | str = "cpu") -> None:
+    """Start a new peak for `peak_memory_mb` on the device the models run on: a CUDA device's allocator, or
+    on the CPU the process's resident high-water mark (Linux: writing 5 to /proc/self/clear_refs). By the
+    models' device, not by whether CUDA is present: a CPU run on a GPU machine read the idle allocator (0)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
         return
     try:
         Path("/proc/self/clear_refs").write_text("5")
@@ -173,11 +167,11 @@ def reset_peak_memory() -> None:
         pass
 
 
-def peak_memory_mb() -> float:
+def peak_memory_mb(device: torch.device | str = "cpu") -> float:
     """The process's peak memory since `reset_peak_memory` (CUDA: allocated; CPU: resident, VmHWM). Every
     model the run holds is in it: a method's own share is the difference from ours-plain's."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**20
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
     return _status_mb("VmHWM")
 
 
@@ -629,7 +623,9 @@ def bench(args, shard) -> int:
                 bar.update(len(methods))
             else:
                 prompt_cut = []
-                prompt_records = run_prompt(i, prompt, methods, runners, args, tok, eos, prompt_cut, bar)
+                prompt_records = run_prompt(
+                    i, prompt, methods, runners, args, tok, eos, prompt_cut, bar, device_for(shard)
+                )
                 if rank0 and not args.resume and not records:  # the run's first prompt: the file starts here
                     start_progress(progress, config)
                 if rank0:
@@ -682,7 +678,7 @@ def bench(args, shard) -> int:
     return 0 if ok else 1
 
 
-def run_prompt(i, prompt, methods, runners, args, tok, eos, cut, bar) -> list[RunRecord]:
+def run_prompt(i, prompt, methods, runners, args, tok, eos, cut, bar, device="cpu") -> list[RunRecord]:
     """Every method on the i-th prompt's turns (each turn after that method's own earlier answers), the methods
     in an order rotated by i; the prompt's RunRecords (one per method and turn). Sampling draws from a
     generator seeded with --seed + i, so a resumed run samples each prompt as an uninterrupted one would."""
@@ -694,7 +690,7 @@ def run_prompt(i, prompt, methods, runners, args, tok, eos, cut, bar) -> list[Ru
         for turn in range(min(args.turns, len(prompt["turns"]))):
             where = f"{m}: prompt {prompt['id']} turn {turn + 1}"
             ids = fit_prompt(chat_ids(tok, prompt, turn, answers), args, where, cut)
-            reset_peak_memory()
+            reset_peak_memory(device)
             new, st = runners[m].run(ids, args.max_new_tokens, gen)
             answers.append(answer_text(tok, new, eos))
             records.append(
@@ -713,7 +709,7 @@ def run_prompt(i, prompt, methods, runners, args, tok, eos, cut, bar) -> list[Ru
                     verify_seconds=st.get("verify_seconds", 0.0),
                     lookup_cycles=st.get("lookup_cycles", 0),
                     store_cycles=st.get("store_cycles", 0),
-                    peak_memory_mb=peak_memory_mb(),
+                    peak_memory_mb=peak_memory_mb(device),
                     output_ids=new,
                     dtype=args.dtype,
                 )

@@ -8,6 +8,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from eval.report import (
     RED,
@@ -420,3 +421,17 @@ def test_peak_memory_is_each_generations_own():
     reset_peak_memory()
     second = peak_memory_mb()
     assert first - base > 350 and second - base < 50, (base, first, second)
+
+
+def test_peak_memory_follows_the_models_device_not_cudas_presence(monkeypatch):
+    """A CPU run on a machine with a GPU read the idle CUDA allocator: every row's peak MB was ~0."""
+    from eval import bench
+
+    def idle_allocator(*a, **kw):
+        raise AssertionError("the CUDA allocator read for a CPU run")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", idle_allocator)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", idle_allocator)
+    bench.reset_peak_memory("cpu")
+    assert bench.peak_memory_mb("cpu") > 10  # this process's resident peak (the models aside: Python, torch)
