@@ -213,9 +213,14 @@ def test_stage_data_folds_in_a_stages_answers(tmp_path):
         stage_data(["--out", str(out), "--chats", str(chats), "--answers", str(stage_answers)])
     notes = tmp_path / "notes.jsonl.xz"  # not this command's: kept, and named
     notes.write_text("my notes\n")
-    with pytest.raises(UserError, match=f"{notes}: already exists and is not an xz file"):
-        stage_data(["--out", str(notes), "--chats", str(chats)])
-    assert notes.read_text() == "my notes\n"
+    chat_xz = tmp_path / "regen.jsonl.xz"  # an xz chat file (--chats, --answered) given as --out by mistake
+    answers.write(chat_xz, [{"id": "a", "messages": [{"role": "user", "content": "Hi."}]}])
+    for kept in (notes, chat_xz):
+        before = kept.read_bytes()
+        with pytest.raises(UserError, match=f"{kept}: already exists and is not id records"):
+            stage_data(["--out", str(kept), "--chats", str(chats)])
+        assert kept.read_bytes() == before
+    stage_data(["--out", str(out), "--chats", str(chats)])  # its own output: replaced (a rerun)
 
 
 def test_stage_continues_answered_chats_after_their_answers(tmp_path):

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import lzma
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,19 @@ def read_chats(path: str) -> list[dict[str, Any]]:
             raise UserError(str(exc).replace(str(plain), path)) from None
 
 
+def is_id_records(path: Path) -> bool:
+    """Whether `path` holds id records as this command writes them (xz; the first record's token-id
+    `prompts`): another xz file there (a chat file of --chats or --answered) is not replaced."""
+    if not answer_file.is_xz(path):
+        return False
+    try:
+        with lzma.open(path, "rt", encoding="utf-8") as f:
+            first = json.loads(f.readline())
+    except (lzma.LZMAError, EOFError, ValueError, OSError):
+        return False
+    return isinstance(first, dict) and isinstance(first.get("prompts"), list)
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m train.stage_data", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -167,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--gguf", default=None, help="the tokenizer's GGUF (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--max-conversations", type=positive_int, default=None)
     args = ap.parse_args(argv)
-    refuse_foreign_output(args.out, answer_file.is_xz, "an xz file")
+    refuse_foreign_output(args.out, is_id_records, "id records (train.stage_data's)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     tok = load_tokenizer(args.gguf)
     convs = [c for f in args.chats for c in read_chats(f)] if args.chats else load_sharegpt()[0]
