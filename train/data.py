@@ -86,7 +86,7 @@ def normalise_chat(record: Any) -> tuple[dict[str, Any], int]:
     `role`/`content`) -> (`{"id", "messages"}`, number of leading assistant turns dropped).
 
     Raises MalformedChat (reason: not-an-object, no-conversations, bad-turn, unknown-role, empty-text,
-    no-user-turn). A record without an `id` gets one from a hash of its messages (stable).
+    bad-text, bad-id, no-user-turn). A record without an `id` gets one from a hash of its messages (stable).
     """
     if not isinstance(record, Mapping):
         raise MalformedChat("not-an-object", f"record is a {type(record).__name__}, not an object")

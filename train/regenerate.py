@@ -13,7 +13,9 @@ Output: JSONL of {"id", "messages"} (OpenAI form; `train.data.load_chats` reads 
 is appended batch by batch, a cut-off last line is dropped on restart, and ids already present are skipped.
 An answer with no text (the target's first token was EOS) is not written: `load_chats` rejects an empty
 turn. The conversation ends before that user turn, and `<out stem>.skipped.jsonl` records it
-({"id", "turn", "reason"}; a rerun does not try it again); the summary counts them (`empty_answers`).
+({"id", "turn", "reason"}; a rerun does not try it again); the summary counts them (`empty_answers`). A
+conversation whose first prompt exceeds --max-prompt-tokens is recorded there too (`too_long`): a rerun
+with a larger --max-prompt-tokens still skips it (delete its line to try it again).
 """
 
 from __future__ import annotations
