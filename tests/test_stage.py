@@ -4,6 +4,7 @@ rebuild the rendered chat with the real tokenizer."""
 
 import json
 import lzma
+import time
 
 import pytest
 import torch
@@ -442,3 +443,24 @@ def test_a_failing_profiler_reports_and_never_stops_the_loop(monkeypatch):
     assert prof.summary() == {"error": "RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"}
     assert "failed" in tp.describe("decode", prof.summary())
     assert tp.StepProfiler(2, 0, torch.device("cpu")).summary() is None  # off
+
+
+def test_a_ctrl_c_while_loading_counts_the_run_and_its_minutes(tmp_path, monkeypatch):
+    """The budget's clock runs from the command's start: a Ctrl-C while the target loads (the device script's
+    limit) counted neither the run nor its time."""
+    import train.stage as stage_mod
+
+    target, data = make_data(tmp_path)
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "stage.json").write_text(json.dumps({"phases": {}, "runs": 1, "minutes": 2.5}))
+
+    def interrupted(*a, **kw):
+        time.sleep(0.1)  # a load under way
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(stage_mod, "load_target", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run(target, data, out)
+    s = json.loads((out / "stage.json").read_text())
+    assert s["runs"] == 2 and s["minutes"] > 2.5

@@ -150,6 +150,13 @@ class Stage:
         self.state["runs"] += 1
         self.minutes_before = self.state.get("minutes", 0)  # earlier runs', interrupted ones included
         self.saved = json.loads(json.dumps(self.state))  # the state as last saved (save_minutes)
+        try:
+            self._load(args)
+        except KeyboardInterrupt:  # the budget's clock ran from t0: a Ctrl-C while loading counts too
+            self.save_minutes()
+            raise
+
+    def _load(self, args: argparse.Namespace) -> None:
         self.device = torch.device(args.device)
         self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
         self.init = Path(args.init_draft) if args.init_draft else None
