@@ -24,7 +24,7 @@ from maverick.files import atomic_dir
 from maverick.gguf_loader import default_gguf_path
 from maverick.gguf_model import load_gguf_model
 from maverick.model import Llama4
-from maverick.tokenizer import load_tokenizer, prune_saved_copies, saved_copy_dir
+from maverick.tokenizer import load_tokenizer, saved_copy_dir
 
 TARGET_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TARGET_HELP = "target: a llama .gguf file or an HF checkpoint directory (default SmolLM2-135M-Instruct GGUF)"
@@ -113,7 +113,6 @@ def load_hf_reference(path: str | os.PathLike | None = None, dtype: torch.dtype 
 
 # transformers' own loads of GGUF files, saved as HF directories (the repository's .cache)
 HF_DIR = Path(__file__).resolve().parent.parent / ".cache" / "hf"
-HF_FORMAT = 2  # of the saved model copies (2: the tokenizer's format when the two shared one)
 
 
 def _hf_from_gguf(p: Path, kw: dict[str, Any]):
@@ -123,7 +122,7 @@ def _hf_from_gguf(p: Path, kw: dict[str, Any]):
     fp32 safetensors (`atomic_dir`). The copy holds the same tensors (tests/test_target.py)."""
     from transformers import AutoModelForCausalLM
 
-    saved = saved_copy_dir(HF_DIR, p, HF_FORMAT)
+    saved = saved_copy_dir(HF_DIR, p)
     if (saved / "config.json").is_file():
         try:
             return AutoModelForCausalLM.from_pretrained(saved, use_safetensors=True, **kw)
@@ -140,7 +139,6 @@ def _hf_from_gguf(p: Path, kw: dict[str, Any]):
     try:
         with atomic_dir(saved) as tmp:
             plain.save_pretrained(tmp)
-        prune_saved_copies(saved)
     except OSError:  # a read-only checkout: read from the GGUF again next time
         pass
     return model

@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import pathlib
-import shutil
 from collections.abc import Mapping, Sequence
 
 from maverick.cli import UserError
@@ -84,24 +83,16 @@ def _load_tokenizer_cached(path: str):
     return tokenizer
 
 
-def saved_copy_dir(root: pathlib.Path, p: pathlib.Path, fmt: int = SAVED_FORMAT) -> pathlib.Path:
+def saved_copy_dir(root: pathlib.Path, p: pathlib.Path) -> pathlib.Path:
     """Where something transformers read from the GGUF file `p` is saved under `root`: named by the file's
-    path, size and time, by transformers' version and by the copy's format `fmt`, so a changed file,
-    release or format reads it again."""
+    path, size and time and by transformers' version, so a changed file or release reads it again."""
     import transformers
 
     st = p.stat()
-    key = repr((str(p.resolve()), st.st_size, st.st_mtime_ns, transformers.__version__, fmt)).encode()
+    key = repr(
+        (str(p.resolve()), st.st_size, st.st_mtime_ns, transformers.__version__, SAVED_FORMAT)
+    ).encode()
     return root / f"{p.stem}-{hashlib.blake2b(key, digest_size=10).hexdigest()}"
-
-
-def prune_saved_copies(saved: pathlib.Path) -> None:
-    """Delete the other saved copies of the same file name beside `saved` (an older format, release or file:
-    never read again; the HF model's copy is 0.5 GB). Two GGUF files of one name in different folders
-    share the slot: each read saves its own again."""
-    for other in saved.parent.glob(saved.name.rsplit("-", 1)[0] + "-*"):
-        if other != saved and other.is_dir() and ".tmp-" not in other.name:
-            shutil.rmtree(other, ignore_errors=True)
 
 
 def _gguf_tokenizer(p: pathlib.Path):
@@ -122,7 +113,6 @@ def _gguf_tokenizer(p: pathlib.Path):
     try:
         with atomic_dir(saved) as tmp:
             tokenizer.save_pretrained(str(tmp))
-        prune_saved_copies(saved)
     except OSError:  # a read-only checkout: built again next time
         pass
     return tokenizer

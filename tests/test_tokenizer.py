@@ -148,7 +148,6 @@ def test_saved_tokenizer_is_the_built_one(tmp_path, monkeypatch):
 
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", spy)
     path = tk.default_gguf_path()
-    (tmp_path / f"{path.stem}-00000000000000000000").mkdir()  # format 1's copy: deleted once 2's is saved
     built = tk._gguf_tokenizer(path)
     saved = tk._gguf_tokenizer(path)
     assert calls == [path.name, "saved"]
