@@ -113,6 +113,7 @@ def load_hf_reference(path: str | os.PathLike | None = None, dtype: torch.dtype 
 
 # transformers' own loads of GGUF files, saved as HF directories (the repository's .cache)
 HF_DIR = Path(__file__).resolve().parent.parent / ".cache" / "hf"
+HF_FORMAT = 2  # of the saved model copies, apart from the tokenizer's (2: where the shared format stood)
 
 
 def _hf_from_gguf(p: Path, kw: dict[str, Any]):
@@ -122,7 +123,7 @@ def _hf_from_gguf(p: Path, kw: dict[str, Any]):
     fp32 safetensors (`atomic_dir`). The copy holds the same tensors (tests/test_target.py)."""
     from transformers import AutoModelForCausalLM
 
-    saved = saved_copy_dir(HF_DIR, p)
+    saved = saved_copy_dir(HF_DIR, p, HF_FORMAT)
     if (saved / "config.json").is_file():
         try:
             return AutoModelForCausalLM.from_pretrained(saved, use_safetensors=True, **kw)

@@ -83,15 +83,14 @@ def _load_tokenizer_cached(path: str):
     return tokenizer
 
 
-def saved_copy_dir(root: pathlib.Path, p: pathlib.Path) -> pathlib.Path:
+def saved_copy_dir(root: pathlib.Path, p: pathlib.Path, fmt: int = SAVED_FORMAT) -> pathlib.Path:
     """Where something transformers read from the GGUF file `p` is saved under `root`: named by the file's
-    path, size and time and by transformers' version, so a changed file or release reads it again."""
+    path, size and time, by transformers' version and by the copy's format `fmt`, so a changed file,
+    release or format reads it again. (Older copies stay: delete .cache/ to reclaim them.)"""
     import transformers
 
     st = p.stat()
-    key = repr(
-        (str(p.resolve()), st.st_size, st.st_mtime_ns, transformers.__version__, SAVED_FORMAT)
-    ).encode()
+    key = repr((str(p.resolve()), st.st_size, st.st_mtime_ns, transformers.__version__, fmt)).encode()
     return root / f"{p.stem}-{hashlib.blake2b(key, digest_size=10).hexdigest()}"
 
 
