@@ -164,6 +164,35 @@ def test_sharegpt_corrupt_last_record_is_an_error(tmp_path, tail):
         data.load_sharegpt(path)
 
 
+def test_sharegpt_bracket_where_a_record_should_start_is_an_error(tmp_path):
+    """One byte, the comma after record 0 turned into `]`: the records after it were dropped without a word."""
+    recs = [{"id": f"r{i}", "conversations": [{"from": "human", "value": "hi"}]} for i in range(3)]
+    text = json.dumps(recs, indent=1).replace("},\n {", "}]\n {", 1)
+    path = _write(tmp_path / "bad.json", text)
+    with pytest.raises(
+        ValueError, match=r"bad\.json: text after the array's closing '\]' \(byte \d+, after record 0\)"
+    ):
+        data.load_sharegpt(path)
+
+
+def test_sharegpt_cut_inside_a_character_or_a_literal_is_truncation(tmp_path):
+    """A file cut between a character's UTF-8 bytes (a file saved with ensure_ascii=False) was refused as not
+    UTF-8; one cut inside -Infinity (which Python's json writes) read as corruption."""
+    rec = {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}
+    head = "[" + json.dumps(rec) + ",\n"
+    tails = [
+        '{"id": "b", "conversations": [{"from": "human", "value": "caf\u00e9 \u6771',
+        '{"id": "b", "x": -Infinit',
+    ]
+    for n, tail in enumerate(tails):
+        raw = (head + tail).encode("utf-8")
+        path = tmp_path / f"cut{n}.json"
+        path.write_bytes(raw[:-1] if n == 0 else raw)  # 0: the last character's third byte cut off
+        conversations, report = data.load_sharegpt(path)
+        assert (len(conversations), report.truncated, report.dropped_record_id) == (1, True, "b"), n
+        assert report.truncated_at_byte == len(head.encode("utf-8"))
+
+
 def test_missing_wheel_says_how_to_install(monkeypatch):
     real = wheel_data.importlib.util.find_spec
     monkeypatch.setattr(

@@ -183,7 +183,7 @@ _ID_IN_TAIL = re.compile(r'"id"\s*:\s*"((?:[^"\\]|\\.)*)"')
 
 # what a cut can leave where the decoder fails: nothing, or a token's start ("tr", "-", "1e", "\\u12"); text
 # with a quote, bracket, brace, comma or colon after the failure is more JSON, so the element was corrupt
-_CUT_TAIL = re.compile(r'[^\s"{}\[\],:]{0,5}')
+_CUT_TAIL = re.compile(r'[^\s"{}\[\],:]{0,8}')  # up to "-Infinit"
 
 
 def _scan_json_array(text: str, where: str) -> tuple[list[Any], int | None]:
@@ -205,6 +205,11 @@ def _scan_json_array(text: str, where: str) -> tuple[list[Any], int | None]:
         if i >= len(text):  # ran out between elements: truncated
             return elements, i
         if text[i] == "]":
+            if text[i + 1 :].strip():  # a `]` where a record should start: the records after it were dropped
+                byte = len(text[: i + 1].encode("utf-8"))
+                raise UserError(
+                    f"{where}: text after the array's closing ']' (byte {byte}, after record {len(elements) - 1})"
+                )
             return elements, None
         try:
             element, i = decoder.raw_decode(text, i)
@@ -242,7 +247,9 @@ def load_sharegpt(path: str | pathlib.Path | None = None) -> tuple[list[dict[str
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise UserError(f"{path}: not UTF-8 at byte {exc.start}") from exc
+        if exc.reason != "unexpected end of data":  # else a cut inside a character's bytes: a truncation
+            raise UserError(f"{path}: not UTF-8 at byte {exc.start}") from exc
+        text = raw[: exc.start].decode("utf-8")  # the scan finds the last record cut short
     records, tail = _scan_json_array(text, str(path))
 
     truncated_at = dropped_id = None
