@@ -445,9 +445,9 @@ def test_a_failing_profiler_reports_and_never_stops_the_loop(monkeypatch):
     assert tp.StepProfiler(2, 0, torch.device("cpu")).summary() is None  # off
 
 
-def test_a_ctrl_c_while_loading_counts_the_run_and_its_minutes(tmp_path, monkeypatch):
+def test_a_ctrl_c_or_a_failure_while_loading_counts_the_run_and_its_minutes(tmp_path, monkeypatch):
     """The budget's clock runs from the command's start: a Ctrl-C while the target loads (the device script's
-    limit) counted neither the run nor its time."""
+    limit), or a failed load, counted neither the run nor its time."""
     import train.stage as stage_mod
 
     target, data = make_data(tmp_path)
@@ -455,12 +455,15 @@ def test_a_ctrl_c_while_loading_counts_the_run_and_its_minutes(tmp_path, monkeyp
     out.mkdir()
     (out / "stage.json").write_text(json.dumps({"phases": {}, "runs": 1, "minutes": 2.5}))
 
-    def interrupted(*a, **kw):
-        time.sleep(0.1)  # a load under way
-        raise KeyboardInterrupt
+    for runs, stop in enumerate((KeyboardInterrupt, RuntimeError("CUDA out of memory")), start=2):
 
-    monkeypatch.setattr(stage_mod, "load_target", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        run(target, data, out)
-    s = json.loads((out / "stage.json").read_text())
-    assert s["runs"] == 2 and s["minutes"] > 2.5
+        def interrupted(*a, stop=stop, **kw):
+            time.sleep(0.1)  # a load under way
+            raise stop
+
+        monkeypatch.setattr(stage_mod, "load_target", interrupted)
+        with pytest.raises(BaseException) as e:
+            run(target, data, out)
+        assert isinstance(e.value, KeyboardInterrupt | RuntimeError)
+        s = json.loads((out / "stage.json").read_text())
+        assert s["runs"] == runs and s["minutes"] > 2.5 + 0.0015 * (runs - 2)

@@ -152,7 +152,9 @@ class Stage:
         self.saved = json.loads(json.dumps(self.state))  # the state as last saved (save_minutes)
         try:
             self._load(args)
-        except KeyboardInterrupt:  # the budget's clock ran from t0: a Ctrl-C while loading counts too
+        except (
+            BaseException
+        ):  # the budget's clock ran from t0: a Ctrl-C or a failure while loading counts too
             self.save_minutes()
             raise
 
