@@ -191,8 +191,9 @@ def _scan_json_array(text: str, where: str) -> tuple[list[Any], int | None]:
 
     A decode failure is the file's end cutting the last element short (truncation) when the decoder ran out
     of text: an unterminated string runs to the end, or at most a token's start follows the failure.
-    Otherwise the element is corrupt (the last one too) and we raise, naming the element and byte. (Whether the text ends with
-    `]` says nothing: a cut can fall just after any `]`, a list's or one inside a string.)
+    Otherwise the element is corrupt (the last one too) and we raise, naming the element and byte; so is
+    text after the closing `]`. (Whether the text ends with `]` says nothing: a cut can fall just after any
+    `]`, a list's or one inside a string.)
     """
     start = _SEPARATORS.match(text, 0).end()
     if not text.startswith("[", start):

@@ -152,10 +152,8 @@ class Stage:
         self.saved = json.loads(json.dumps(self.state))  # the state as last saved (save_minutes)
         try:
             self._load(args)
-        except (
-            BaseException
-        ):  # the budget's clock ran from t0: a Ctrl-C or a failure while loading counts too
-            self.save_minutes()
+        except BaseException:
+            self.save_minutes()  # the budget's clock ran from t0: a Ctrl-C or a failure while loading counts
             raise
 
     def _load(self, args: argparse.Namespace) -> None:
