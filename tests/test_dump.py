@@ -95,6 +95,24 @@ def test_round_trip_exact(tmp_path):
         ds[7]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sharded_heads_pick_is_one_process_pick_at_near_ties(dtype):
+    """target_argmax on a head split over ranks: each rank's best row and score, the best score over ranks
+    (the lowest id on a tie). Every row of the head has a near twin in the other half; the ranks' pick must
+    be one process's. (A GEMM's bits depend on the head's rows: fp32 heads scored by it picked otherwise.)"""
+    g = torch.Generator().manual_seed(0)
+    N, H, V = 4096, 64, 512
+    hidden = torch.randn(N, H, generator=g).to(dtype)
+    base = torch.randn(V // 2, H, generator=g)
+    head = torch.cat([base, base + 1e-6 * torch.randn(V // 2, H, generator=g)]).to(dtype)
+    one, _ = dump.full_vocab_best(hidden, head)
+    halves = [dump.full_vocab_best(hidden, part) for part in head.split(V // 2)]
+    scores = torch.stack([s.double() for _, s in halves])  # [ranks, N]
+    ids = torch.stack([i + r * (V // 2) for r, (i, _) in enumerate(halves)])
+    two = ids.gather(0, scores.argmax(0, keepdim=True))[0]
+    assert torch.equal(two, one), int((two != one).sum())
+
+
 def test_full_vocab_argmax_bf16_head_equals_fp32():
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(300, 64, generator=g).bfloat16()

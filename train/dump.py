@@ -141,11 +141,9 @@ def run_target(
 def target_argmax(model: Llama4, hidden: Tensor) -> Tensor:
     """The target's full-vocabulary argmax of hidden [N, H] (`full_vocab_argmax`). A tensor parallel
     target (maverick/parallel.py) holds vocabulary rows vocab_start .. of the head on each rank: each rank
-    takes the best of its rows and the fp32 score that chose it, and every rank picks the same winner from
-    the gathered pairs (the lowest id on a tie, as argmax does). A GEMM's bits depend on the head's row
-    count, so logits within a few ulps of each other on different ranks may still resolve otherwise than
-    in one process (constructed near-ties: 1,505 of 4,096 rows, 1,707 with recomputed scores; SmolLM2's
-    dump on 3 ranks: none)."""
+    takes the best of its rows and the fp32 score that chose it (`full_vocab_best`: the same bits as one
+    process's for that row), and every rank picks the same winner from the gathered pairs (the lowest id on
+    a tie, as argmax does)."""
     head = model.lm_head.weight
     shard = getattr(model, "shard", None)
     if shard is None:
@@ -170,15 +168,17 @@ def full_vocab_argmax(hidden: Tensor, head: Tensor, candidates: int = 8) -> Tens
 
 
 def full_vocab_best(hidden: Tensor, head: Tensor, candidates: int = 8) -> tuple[Tensor, Tensor]:
-    """(`full_vocab_argmax`'s ids [N], the fp32 scores it chose them by [N]): a sharded head's ranks compare
-    these very numbers (recomputed, they differed in the last bits and near-ties went another way)."""
-    if head.dtype == torch.float32:
-        best = (hidden.float() @ head.T).max(-1)
-        return best.indices, best.values
-    cand = (hidden.to(head.dtype) @ head.T).topk(min(candidates, head.shape[0]), dim=-1).indices  # [N, k]
+    """(`full_vocab_argmax`'s ids [N], the fp32 scores it chose them by [N]). The head's GEMM (in its dtype)
+    picks `candidates` ids per position; each is rescored on its own, an fp32 dot product of one shape
+    whatever the head's row count, and the best kept (the lowest id on a tie, as argmax). So a sharded head's
+    ranks and one process score a row by the same bits: a GEMM's bits depend on the head's rows, and its
+    near-ties resolved otherwise on a rank's half (constructed: 1,505 of 4,096 rows)."""
+    k = min(candidates, head.shape[0])
+    cand = (hidden.to(head.dtype) @ head.T).topk(k, dim=-1).indices  # [N, k]
     exact = torch.einsum("nh,nkh->nk", hidden.float(), head[cand].float())  # [N, k] fp32
-    best = exact.max(-1, keepdim=True)
-    return cand.gather(1, best.indices)[:, 0], best.values[:, 0]
+    best = exact.max(-1, keepdim=True).values  # [N, 1]
+    ids = torch.where(exact == best, cand, torch.iinfo(cand.dtype).max).min(-1).values  # lowest id on a tie
+    return ids, best[:, 0]
 
 
 def plan_batches(lengths: Sequence[int], batch_tokens: int, max_batch: int = 64) -> list[list[int]]:
