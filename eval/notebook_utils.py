@@ -208,19 +208,12 @@ def tokens_per_s(gen: Generation) -> float:
     return gen.new_tokens / gen.seconds
 
 
-def reset_peak_memory(device: str = "cpu") -> None:
-    """Start a new memory peak for `run_record` (eval.bench.reset_peak_memory)."""
-    from eval.bench import reset_peak_memory as reset
-
-    reset(device)
-
-
 def run_record(
     method: str, prompt_id: str, gen: Generation, dtype: str = "bf16", turn: int = 0, device: str = "cpu"
 ) -> RunRecord:
     """One eval.report.RunRecord from a plain or speculative Generation of one prompt (a batch's stats
     hold row 0's draft lengths only: give each prompt its own generate call); the memory column is the
-    process's peak on `device` since the last `reset_peak_memory` (as eval.bench records it, which resets it
+    process's peak on `device` since the last `eval.bench.reset_peak_memory` (as eval.bench records it, which resets it
     before each generation: do the same for each generation's own peak)."""
     from eval.bench import peak_memory_mb
 
