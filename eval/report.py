@@ -97,12 +97,17 @@ class RunRecord:
             )
         if self.cut and len(self.cut) != self.cycles:
             raise ValueError(f"{where}: 'cut' ({len(self.cut)}) must be empty or have one entry per cycle")
-        for c, (a, k, x) in enumerate(zip(self.accepted, self.draft_lengths, self.cut or [0] * self.cycles)):
-            if k < 1 or not 0 <= a <= a + x <= k:
+        for c, (a, k, v) in enumerate(zip(self.accepted, self.draft_lengths, self.verified)):
+            if k < 1 or not 0 <= a <= v <= k:
                 raise ValueError(
-                    f"{where}: cycle {c} has accepted={a}, cut={x}, draft_length={k}; need 1 <= k and "
+                    f"{where}: cycle {c} has accepted={a}, cut={v - a}, draft_length={k}; need 1 <= k and "
                     "0 <= accepted <= accepted + cut <= k"
                 )
+
+    @property
+    def verified(self) -> list[int]:
+        """Per cycle, the draft tokens the target's verify accepted: accepted + cut."""
+        return [a + x for a, x in zip(self.accepted, self.cut)] if self.cut else self.accepted
 
     @classmethod
     def from_dict(cls, data: dict) -> RunRecord:
@@ -159,13 +164,9 @@ def _speedups(mine: list[RunRecord], other: list[RunRecord] | None) -> tuple[flo
     return _ratio(_tps(mine), _tps(other)), (sum(ratios) / len(ratios) if ratios else None)
 
 
-def acceptance_rates(
-    accepted: Sequence[int], draft_lengths: Sequence[int], cut: Sequence[int] = ()
-) -> list[float]:
-    """Per draft position i = 1..max k: accepted cycles among those that drafted at least i. `cut`: per cycle,
-    accepted tokens a stop token or the budget kept from the output (accepted all the same)."""
-    if cut:
-        accepted = [a + x for a, x in zip(accepted, cut, strict=True)]
+def acceptance_rates(accepted: Sequence[int], draft_lengths: Sequence[int]) -> list[float]:
+    """Per draft position i = 1..max k: accepted cycles among those that drafted at least i (`accepted`: what
+    the verify accepted, RunRecord.verified)."""
     rates = []
     for i in range(1, max(draft_lengths, default=0) + 1):
         reached = [a for a, k in zip(accepted, draft_lengths) if k >= i]
@@ -188,7 +189,6 @@ def _summarise_method(
 
     accepted = [a for r in mine for a in r.accepted]
     draft_lengths = [k for r in mine for k in r.draft_lengths]
-    cut = [x for r in mine for x in (r.cut or [0] * r.cycles)]
     cycles = len(accepted)
     counts = [0] * (max(draft_lengths, default=-1) + 1)
     for k in draft_lengths:
@@ -228,7 +228,7 @@ def _summarise_method(
         speedup_hf_mean=speedup_hf_mean,
         cycles=cycles,
         tau=(sum(accepted) + cycles) / cycles if speculative else None,
-        accept_rates=acceptance_rates(accepted, draft_lengths, cut),
+        accept_rates=acceptance_rates([v for r in mine for v in r.verified], draft_lengths),
         draft_length_counts=counts,
         mean_draft_length=sum(draft_lengths) / cycles if speculative else None,
         draft_share=sum(r.draft_seconds for r in mine) / seconds if speculative else None,
