@@ -196,9 +196,7 @@ class Llama4Config:
             rp = dict(rp)
             if "rope_theta" in rp:
                 d.setdefault("rope_theta", rp.pop("rope_theta"))
-            if rp.get("rope_type", "default") != "default" and not d.get(
-                "rope_scaling"
-            ):  # "rope_scaling": null too
+            if rp.get("rope_type", "default") != "default" and not d.get("rope_scaling"):  # null too
                 d["rope_scaling"] = rp
         if d.get("head_dim") is None and "hidden_size" in d and "num_attention_heads" in d:
             d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
