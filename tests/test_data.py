@@ -169,9 +169,28 @@ def test_sharegpt_bracket_where_a_record_should_start_is_an_error(tmp_path):
     recs = [{"id": f"r{i}", "conversations": [{"from": "human", "value": "hi"}]} for i in range(3)]
     text = json.dumps(recs, indent=1).replace("},\n {", "}]\n {", 1)
     path = _write(tmp_path / "bad.json", text)
+    at = len(text[: text.index("}]\n {") + 1].encode())  # the `]`'s own byte
     with pytest.raises(
-        ValueError, match=r"bad\.json: text after the array's closing '\]' \(byte \d+, after record 0\)"
+        ValueError, match=rf"bad\.json: text after the array's closing '\]' \(byte {at}, after record 0\)"
     ):
+        data.load_sharegpt(path)
+    path = _write(tmp_path / "bad2.json", "[]\n" + json.dumps(recs))
+    with pytest.raises(
+        ValueError, match=r"bad2\.json: text after the array's closing '\]' \(byte 1, before any"
+    ):
+        data.load_sharegpt(path)
+
+
+@pytest.mark.parametrize("at", ["comma", "start"])
+def test_sharegpt_array_where_a_record_should_start_is_an_error(tmp_path, at):
+    """One byte, the comma after record 0 turned into `[` (or a `[` before the first record): the records
+    after it became one nested array and the outer one never closed, read as a cut file of 1 (or 0) records."""
+    recs = [{"id": f"r{i}", "conversations": [{"from": "human", "value": "hi"}]} for i in range(3)]
+    text = json.dumps(recs, indent=1)
+    text = text.replace("},\n {", "}[\n {", 1) if at == "comma" else "[[" + text[1:]
+    path = _write(tmp_path / "bad.json", text)
+    n = 1 if at == "comma" else 0
+    with pytest.raises(ValueError, match=rf"bad\.json: record {n} at byte \d+ is an array, not an object"):
         data.load_sharegpt(path)
 
 

@@ -192,7 +192,7 @@ def _scan_json_array(text: str, where: str) -> tuple[list[Any], int | None]:
     A decode failure is the file's end cutting the last element short (truncation) when the decoder ran out
     of text: an unterminated string runs to the end, or at most a token's start follows the failure.
     Otherwise the element is corrupt (the last one too) and we raise, naming the element and byte; so is
-    text after the closing `]`. (Whether the text ends with `]` says nothing: a cut can fall just after any
+    text after the closing `]`, and an array where a record should start. (Whether the text ends with `]` says nothing: a cut can fall just after any
     `]`, a list's or one inside a string.)
     """
     start = _SEPARATORS.match(text, 0).end()
@@ -205,12 +205,16 @@ def _scan_json_array(text: str, where: str) -> tuple[list[Any], int | None]:
         i = _SEPARATORS.match(text, i).end()
         if i >= len(text):  # ran out between elements: truncated
             return elements, i
-        if text[i] == "]":
-            if text[i + 1 :].strip():  # a `]` where a record should start: the records after it were dropped
-                byte = len(text[: i + 1].encode("utf-8"))
+        if text[i] in "[]":  # (the byte only here: counted at every element the scan would be quadratic)
+            byte = len(text[:i].encode("utf-8"))
+            if text[i] == "[":  # a stray `[` nests the records after it, and the outer array never closes
                 raise UserError(
-                    f"{where}: text after the array's closing ']' (byte {byte}, after record {len(elements) - 1})"
+                    f"{where}: record {len(elements)} at byte {byte} is an array, not an object: a stray '[' "
+                    "hides where the records end"
                 )
+            if text[i + 1 :].strip():  # a `]` where a record should start: the records after it were dropped
+                after = f"after record {len(elements) - 1}" if elements else "before any record"
+                raise UserError(f"{where}: text after the array's closing ']' (byte {byte}, {after})")
             return elements, None
         try:
             element, i = decoder.raw_decode(text, i)
