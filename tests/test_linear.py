@@ -16,6 +16,8 @@ from maverick.linear import (
     in_row_chunks,
     invariant_rows,
     linear,
+    packed_linear,
+    packed_weight,
     packing_supported,
     use_packed,
 )
@@ -36,11 +38,12 @@ def test_packed_equals_f_linear_and_is_row_count_invariant(out_f, in_f):
             torch.testing.assert_close(linear(x[:m], w), F.linear(x[:m], w), rtol=0, atol=0)
         # the raw kernel keeps each row's bits for the row counts probed for this shape (1..64 on a Xeon
         # with AMX, 2..64 for [576, 1536] on AMD EPYC Zen 4, a single row padded to 2) ...
-        lo, hi = invariant_rows(lambda z: linear(z, w), "test", (out_f, in_f), torch.bfloat16)
+        raw = lambda z: packed_linear(z, packed_weight(w), None)  # noqa: E731
+        lo, hi = invariant_rows(raw, "test", (out_f, in_f), torch.bfloat16)
         assert 1 <= lo <= hi, (lo, hi)
-        ref = in_row_chunks(lambda z: linear(z, w), x, lo, lo)  # each row in a call of lo rows
+        ref = in_row_chunks(raw, x, lo, lo)  # each row in a call of lo rows
         for m in range(lo, hi + 1):
-            torch.testing.assert_close(linear(x[:m], w), ref[:m], rtol=0, atol=0)
+            torch.testing.assert_close(raw(x[:m]), ref[:m], rtol=0, atol=0)
         # ... and a layer pads shorter calls and splits longer ones, so each row keeps those bits at every
         # row count from 1 to 64
         layer = Linear(in_f, out_f, bias=False).bfloat16()
@@ -147,6 +150,8 @@ def test_fused_linear_remembers_its_choice_and_follows_changes():
         torch.testing.assert_close(fused_linear(x, layers), ref(layers), rtol=0, atol=0)
         layers[0].weight = torch.nn.Parameter(torch.randn(32, 64).bfloat16())
         torch.testing.assert_close(fused_linear(x, layers), ref(layers), rtol=0, atol=0)
+        layers[0].weight.data = torch.zeros(32, 64).bfloat16()  # new storage, same tensor and version
+        torch.testing.assert_close(fused_linear(x, layers), ref(layers), rtol=0, atol=0)
     y = fused_linear(x, layers)  # grad enabled: F.linear, with gradients
     y.float().sum().backward()
     assert layers[0].weight.grad is not None and layers[1].weight.grad is not None
@@ -202,7 +207,7 @@ def test_probed_windows_are_kept_for_later_processes(tmp_path, monkeypatch):
     probe = lin.in_row_chunks
     monkeypatch.setattr(lin, "in_row_chunks", lambda *a: calls.append(1) or probe(*a))
     w = torch.randn(192, 576, generator=torch.Generator().manual_seed(3)).bfloat16()
-    args = (lambda z: linear(z, w), "saved", (192, 576), torch.bfloat16)
+    args = (lambda z: packed_linear(z, packed_weight(w), None), "saved", (192, 576), torch.bfloat16)
     first = invariant_rows(*args)
     probed = len(calls)
     assert probed >= 64
@@ -223,3 +228,48 @@ def test_probed_windows_are_kept_for_later_processes(tmp_path, monkeypatch):
         assert lin._windows_key(*args[1:]) != key
     finally:
         torch.set_num_threads(threads)
+
+
+def _rows_as_alone(layer, x) -> list[int]:
+    """The call sizes m (1..64) whose rows differ from the same rows called one at a time."""
+    with torch.no_grad():
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+        return [m for m in range(1, len(x) + 1) if not torch.equal(layer(x[:m]), alone[:m])]
+
+
+def test_layers_with_a_bias_and_fp8_weight_only_keep_each_rows_bits(tmp_path, monkeypatch):
+    """Layers with a bias and FP8 weight-only layers (bf16 on the CPU) called the packed kernel unprobed: on
+    AMD EPYC a [576, 1536] weight's one-row calls take another kernel, and 59 of 63 call sizes gave rows
+    other bits than one-row calls (SmolLM2 +fp8: logits up to 0.85 apart at 37 of 41 positions)."""
+    import maverick.linear as lin
+
+    monkeypatch.setattr(lin, "WINDOWS_FILE", tmp_path / "windows.json")
+    monkeypatch.setattr(lin, "_row_windows", {})
+    g = torch.Generator().manual_seed(0)
+    dense = Linear(1536, 576, bias=False).bfloat16()
+    biased = Linear(1536, 576, bias=True).bfloat16()
+    with torch.no_grad():
+        dense.weight.copy_(torch.randn(576, 1536, generator=g))
+        biased.weight.copy_(dense.weight)
+        biased.bias.copy_(torch.randn(576, generator=g))
+    fp8 = Float8WeightOnlyLinear.from_float(dense, backend="dequant")
+    x = torch.randn(PACKED_MAX_ROWS, 1536, generator=g).bfloat16()
+    assert _rows_as_alone(biased, x) == []
+    assert _rows_as_alone(fp8, x) == []
+
+
+def test_the_probe_sees_differences_that_one_input_hides(tmp_path, monkeypatch):
+    """The probe's one N(0, 1) input showed no row count differing on this [192, 1152] weight (AMD EPYC),
+    where other inputs gave rows of 9 to 59 of 63 call sizes other bits than one-row calls."""
+    import maverick.linear as lin
+
+    monkeypatch.setattr(lin, "WINDOWS_FILE", tmp_path / "windows.json")
+    monkeypatch.setattr(lin, "_row_windows", {})
+    torch.manual_seed(0)
+    torch.randn(576, 1536), torch.randn(576, 1152)  # the third draw is the weight
+    layer = Linear(1152, 192, bias=False).bfloat16()
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(192, 1152))
+    for seed in range(6):
+        x = torch.randn(PACKED_MAX_ROWS, 1152, generator=torch.Generator().manual_seed(seed)).bfloat16()
+        assert _rows_as_alone(layer, x) == [], seed
