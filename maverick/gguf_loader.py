@@ -502,6 +502,11 @@ def _parse(path: Path, buf: np.ndarray) -> GGUFHeader:
         except ValueError:
             raise GGUFError(f"{path}: tensor {name} has an unknown GGML type {code}") from None
         block_size, type_size = GGML_QUANT_SIZES[qtype]
+        if dims and dims[0] % block_size:  # blocks never run across a row's end (llama.cpp refuses it too)
+            raise GGUFError(
+                f"{path}: tensor {name} ({qtype.name}) has rows of {dims[0]} elements, not a multiple of its "
+                f"{block_size}-element blocks"
+            )
         n_bytes = math.prod(dims) // block_size * type_size
         at = start + offset
         if at + n_bytes > len(buf):

@@ -78,9 +78,10 @@ def tiny_tensors(*, tie: bool = True, seed: int = 0) -> dict[str, np.ndarray]:
     return {k: v.astype(np.float32) for k, v in t.items()}
 
 
-def write_tiny(path, tensors, types=None, *, arch="llama", meta=None):
-    """Write `tensors` (name -> fp32 array, or raw uint8 bytes when types[name] is a block type)."""
-    types = types or {}
+def write_tiny(path, tensors, types=None, *, arch="llama", meta=None, raw_shapes=None):
+    """Write `tensors` (name -> fp32 array, or raw uint8 bytes when types[name] is a block type, in the
+    PyTorch shape raw_shapes[name] if given)."""
+    types, raw_shapes = types or {}, raw_shapes or {}
     V, H, nH, nKV, D, I, L = (TINY[k] for k in ("V", "H", "nH", "nKV", "D", "I", "L"))
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(L)
@@ -99,7 +100,9 @@ def write_tiny(path, tensors, types=None, *, arch="llama", meta=None):
         (w.add_string if isinstance(value, str) else w.add_float32)(key, value)
     for name, x in tensors.items():
         qtype = types.get(name, Q.F32 if x.ndim == 1 else Q.Q8_0)
-        if x.dtype == np.uint8:
+        if name in raw_shapes:  # bytes as int8: the writer takes raw_shape as the elements' shape
+            w.add_tensor(name, x.view(np.int8), raw_shape=raw_shapes[name], raw_dtype=qtype)
+        elif x.dtype == np.uint8:
             w.add_tensor(name, x, raw_dtype=qtype)
         elif qtype == Q.F32:
             w.add_tensor(name, x)
@@ -483,6 +486,21 @@ def test_unsupported_tensor_type(tmp_path):
     ):
         read_gguf(path)
     with pytest.raises(ValueError, match="supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1"):
+        read_gguf(path)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1])
+def test_block_rows_across_row_ends_are_refused(tmp_path, qtype):
+    """A block type's rows must hold whole blocks (llama.cpp and gguf's reader refuse others): a [4096, 16]
+    Q8_0 or Q4_1 tensor, whose blocks of 32 run across row ends, loaded, and its code pack crashed unnamed."""
+    t = tiny_tensors()
+    raw = encode(t["blk.0.attn_q.weight"].reshape(-1, 32), qtype).reshape(-1)  # 256 x 256, as 4096 x 16
+    t["blk.0.attn_q.weight"] = raw.view(np.uint8)
+    path = write_tiny(tmp_path / "rows.gguf", t, {"blk.0.attn_q.weight": qtype},
+                      raw_shapes={"blk.0.attn_q.weight": (4096, 16)})  # fmt: skip
+    with pytest.raises(
+        ValueError, match=rf"rows.gguf: tensor blk.0.attn_q.weight \({qtype.name}\) has rows of 16 elements"
+    ):
         read_gguf(path)
 
 
