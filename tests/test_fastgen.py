@@ -148,6 +148,33 @@ def test_answer_file_appends_streams_and_drops_a_cut_off_write(tmp_path):
     assert answers.sample(recs[0]) == {"input_ids": [1, 2, 3, 0], "loss_mask": [0, 0, 1, 1]}
 
 
+def test_answer_file_damaged_stream_is_an_error_never_a_cut(tmp_path):
+    """A damaged byte in the first of three streams read as no records, and `repair` (every train.stage
+    rerun) cut the file to 0 bytes, deleting the two whole streams after it. Only running out of data is a
+    cut-off write; a damaged stream, even the last, is an error naming its byte, and the file stays as is."""
+    from maverick.cli import UserError
+
+    path = tmp_path / "answers.jsonl.xz"
+    recs = [{"id": f"a{i}", "prompts": [[1, 2]], "answers": [[3, i] * 20]} for i in range(6)]
+    n1 = answers.append(path, recs[:2])
+    n2 = answers.append(path, recs[2:4])
+    answers.append(path, recs[4:])
+    good = path.read_bytes()
+    # a byte inside the first stream's data; the block header size of the second and of the last (the
+    # decoder then waits for bytes that never come, as after a cut); a byte of the last stream's index
+    damaged = ((n1 // 2, 0), (n1 + 12, n1), (n1 + n2 + 12, n1 + n2), (len(good) - 20, n1 + n2))
+    for byte, stream_at in damaged:
+        bad = bytearray(good)
+        bad[byte] ^= 0x80
+        path.write_bytes(bytes(bad))
+        for read in (answers.read_records, answers.repair):
+            with pytest.raises(UserError, match=f"{path}: the xz stream at byte {stream_at} is damaged"):
+                read(path)
+            assert path.read_bytes() == bad
+    path.write_bytes(good[:3])  # a first write cut off inside the xz magic is a cut, not a foreign file
+    assert answers.repair(path) == ([], 3) and path.read_bytes() == b""
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graph_replays_equal_the_eager_step():

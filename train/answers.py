@@ -14,7 +14,8 @@ without the GGUF tokenizer's dependencies).
 Resumable: each `append` writes its records as one complete xz stream at the end of the file and fsyncs
 it; an xz file may hold several streams one after another (`xz -dc` reads them all). A run killed mid-write
 leaves at most a cut-off last stream, which `read_records` drops (and `repair` cuts off, through a temporary
-file and a rename), so nothing complete is lost and a rerun redoes only what was not written.
+file and a rename), so nothing complete is lost and a rerun redoes only what was not written. A damaged
+stream is an error naming its byte, never dropped: streams after it may be whole.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import lzma
 import os
+import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,26 +31,18 @@ from typing import Any
 from maverick.cli import UserError, jsonl_objects
 from maverick.files import atomic_path, atomic_write
 
-
-def _streams(data: bytes) -> tuple[list[bytes], int]:
-    """(the decompressed complete streams, the byte length they span); a cut-off last stream is left out."""
-    out, pos = [], 0
-    while pos < len(data):
-        dec = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
-        try:
-            text = dec.decompress(data[pos:])
-        except lzma.LZMAError:
-            break
-        if not dec.eof:  # the stream ends before its footer: an interrupted write
-            break
-        out.append(text)
-        pos = len(data) - len(dec.unused_data)
-        while pos < len(data) and data[pos] == 0:  # xz stream padding
-            pos += 1
-    return out, pos
-
-
 XZ_MAGIC = b"\xfd7zXZ\x00"
+
+
+def _ends_with_footer(data: bytes) -> bool:
+    """Whether `data` ends with a whole xz stream footer (CRC32, backward size, flags, "YZ"; its CRC right):
+    the last stream is all there, so a decoder still waiting for bytes means a damaged stream, not a cut."""
+    foot = data[-12:]
+    return (
+        len(foot) == 12
+        and foot[10:] == b"YZ"
+        and int.from_bytes(foot[:4], "little") == zlib.crc32(foot[4:10])
+    )
 
 
 def is_xz(path: str | os.PathLike) -> bool:
@@ -57,35 +51,66 @@ def is_xz(path: str | os.PathLike) -> bool:
         return f.read(len(XZ_MAGIC)) == XZ_MAGIC
 
 
+def _looks_xz(data: bytes) -> bool:
+    """Whether `data` starts as an xz stream does (or is the start of one: a write cut off early)."""
+    return bool(data) and data[: len(XZ_MAGIC)] == XZ_MAGIC[: len(data)]
+
+
+def _streams(data: bytes, path: Path) -> tuple[list[bytes], int]:
+    """(the decompressed complete streams, the byte length they span); a cut-off last stream is left out.
+
+    Only running out of data ends the read quietly: that is all a write killed mid-append leaves. A stream
+    the decoder rejects (a damaged byte, a failed check) is a UserError naming its byte, never a cut: with
+    complete streams after it, dropping it would drop them too, and `repair` would cut them off the file."""
+    out, pos = [], 0
+    while pos < len(data):
+        dec = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
+        try:
+            text = dec.decompress(data[pos:])
+        except lzma.LZMAError as exc:
+            raise UserError(f"{path}: the xz stream at byte {pos} is damaged ({exc})") from None
+        if not dec.eof:  # the data ends before the stream's footer: an interrupted write, if it is the last
+            # NOTE a damaged size field also makes the decoder wait for more data (and read on into the next
+            # streams): a cut-off write neither has a stream start after its own nor ends with a whole footer
+            if data.find(XZ_MAGIC, pos + 1) != -1 or _ends_with_footer(data):
+                whole = "it reads as cut off, but the data after it is whole"
+                raise UserError(f"{path}: the xz stream at byte {pos} is damaged ({whole})")
+            break
+        out.append(text)
+        pos = len(data) - len(dec.unused_data)
+        while pos < len(data) and data[pos] == 0:  # xz stream padding
+            pos += 1
+    return out, pos
+
+
 def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Every record of the complete streams of `path` ([] if it does not exist); plain (.jsonl) files too.
-    A file that is not what its name says, or a record that is not JSON, is a UserError naming it."""
+    A file that is not what its name says, a damaged stream, or a record that is not JSON, is a UserError
+    naming it."""
     path = Path(path)
     if not path.exists():
         return []
     data = path.read_bytes()
     if not path.name.endswith(".xz"):
         texts = [data[: data.rfind(b"\n") + 1]]
-    else:
-        _check_xz(path, data)
-        texts, _ = _streams(data)
-    return _parse(texts, path)
-
-
-def _check_xz(path: Path, data: bytes) -> None:
-    if data and not data.startswith(XZ_MAGIC):  # a cut-off write still starts with it
+    elif data and not _looks_xz(data):
         raise UserError(f"{path}: not an xz file (its name ends in .xz)")
+    else:
+        texts, _ = _streams(data, path)
+    return _parse(texts, path)
 
 
 def repair(path: str | os.PathLike) -> tuple[list[dict[str, Any]], int]:
     """Cut a cut-off last stream off `path` (temporary file, rename); returns the records of its complete
-    streams (what `read_records` gives, from the same decompression) and the bytes dropped."""
+    streams (what `read_records` gives, from the same decompression) and the bytes dropped. Anything else
+    wrong with the file (not xz, a damaged stream) is a UserError and the file is left as it is."""
     path = Path(path)
     if not path.exists():
         return [], 0
     data = path.read_bytes()
-    _check_xz(path, data)
-    texts, end = _streams(data)
+    if data and not _looks_xz(data):  # `append` would add xz streams to it: a file of neither kind
+        raise UserError(f"{path}: not an xz file (answers are appended to it as xz streams)")
+    texts, end = _streams(data, path)
     if end < len(data):
         atomic_write(path, data[:end])
     return _parse(texts, path), len(data) - end
