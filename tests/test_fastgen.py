@@ -1,6 +1,7 @@
 """train.fastgen: continuous batching gives each conversation the tokens of plain decoding on its own, turn
 after turn; the CUDA graph replays give the eager step's tokens; answer files survive a cut-off write."""
 
+import json
 import lzma
 
 import pytest
@@ -173,6 +174,19 @@ def test_answer_file_damaged_stream_is_an_error_never_a_cut(tmp_path):
             assert path.read_bytes() == bad
     path.write_bytes(good[:3])  # a first write cut off inside the xz magic is a cut, not a foreign file
     assert answers.repair(path) == ([], 3) and path.read_bytes() == b""
+
+
+def test_answer_file_kind_is_its_content_and_a_whole_last_line_counts(tmp_path):
+    """`write` writes xz whatever the name, and a name not ending in .xz was read as plain JSONL: no records.
+    A plain file's last line without a newline was dropped even when whole; only a cut-off one is."""
+    recs = [{"id": f"a{i}", "prompts": [[1, 2]], "answers": [[3, i]]} for i in range(3)]
+    answers.write(tmp_path / "c.jsonl", recs)
+    assert answers.read_records(tmp_path / "c.jsonl") == recs
+    plain = tmp_path / "p.jsonl"
+    plain.write_text("\n".join(json.dumps(r) for r in recs))
+    assert answers.read_records(plain) == recs
+    plain.write_text("".join(json.dumps(r) + "\n" for r in recs[:2]) + json.dumps(recs[2])[:-5])
+    assert answers.read_records(plain) == recs[:2]
 
 
 @pytest.mark.cuda

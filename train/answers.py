@@ -84,20 +84,34 @@ def _streams(data: bytes, path: Path) -> tuple[list[bytes], int]:
 
 
 def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every record of the complete streams of `path` ([] if it does not exist); plain (.jsonl) files too.
-    A file that is not what its name says, a damaged stream, or a record that is not JSON, is a UserError
-    naming it."""
+    """Every record of the complete streams of `path` ([] if it does not exist); plain JSONL files too.
+
+    xz or plain is decided by the content, not the name (`write` writes xz whatever the name): a file named
+    .xz that is not xz, a damaged stream, or a record that is not JSON is a UserError naming it. A plain
+    file's last line without a newline is a record when it is whole JSON, else a cut-off write, dropped."""
     path = Path(path)
     if not path.exists():
         return []
     data = path.read_bytes()
-    if not path.name.endswith(".xz"):
-        texts = [data[: data.rfind(b"\n") + 1]]
-    elif data and not _looks_xz(data):
+    if _looks_xz(data):
+        texts, _ = _streams(data, path)
+    elif data and path.name.endswith(".xz"):
         raise UserError(f"{path}: not an xz file (its name ends in .xz)")
     else:
-        texts, _ = _streams(data, path)
+        texts = [data if _whole_last_line(data) else data[: data.rfind(b"\n") + 1]]
     return _parse(texts, path)
+
+
+def _whole_last_line(data: bytes) -> bool:
+    """Whether the text after the last newline of a plain file is empty or a whole JSON value."""
+    last = data[data.rfind(b"\n") + 1 :]
+    if not last.strip():
+        return True
+    try:
+        json.loads(last)
+    except ValueError:  # JSONDecodeError, or a UnicodeDecodeError of a character cut in two
+        return False
+    return True
 
 
 def repair(path: str | os.PathLike) -> tuple[list[dict[str, Any]], int]:
