@@ -468,6 +468,34 @@ def test_weight_only_dequant_cache_follows_the_weights():
     assert sqnr(b(x), wo(x)) >= 25.0
 
 
+def test_weight_only_refuses_other_weight_dtypes_and_keeps_its_own():
+    """A state dict's bf16, E5M2 or uint8 weight was cast into the E4M3 buffer without a word (0.4 dB, 25.5
+    dB, -4.8 dB from the layer meant); `.to(torch.bfloat16)` cast the weight and rounded the fp32 scales."""
+    torch.manual_seed(2)
+    lin = nn.Linear(64, 32, bias=False)
+    wo = Float8WeightOnlyLinear.from_float(lin, backend="dequant")
+    sd = wo.state_dict()
+    for bad in (
+        lin.weight.detach().bfloat16(),
+        sd["weight"].float().to(torch.float8_e5m2),
+        sd["weight"].view(torch.uint8),
+    ):
+        with pytest.raises(ValueError, match=rf"^weight: {bad.dtype}, expected torch.float8_e4m3fn"):
+            Float8WeightOnlyLinear(64, 32, backend="dequant").load_state_dict({**sd, "weight": bad})
+    with pytest.raises(ValueError, match=r"^weight_scale: torch.int32, expected float32"):
+        Float8WeightOnlyLinear(64, 32, backend="dequant").load_state_dict(
+            {**sd, "weight_scale": sd["weight_scale"].int()}
+        )
+    bf16_scales = Float8WeightOnlyLinear(64, 32, backend="dequant")  # stored so by some checkpoints: upcast
+    bf16_scales.load_state_dict({**sd, "weight_scale": sd["weight_scale"].bfloat16()})
+    assert bf16_scales.weight_scale.dtype == torch.float32
+    x = torch.randn(3, 64).bfloat16()
+    before = wo(x)
+    wo.to(torch.bfloat16)
+    assert (wo.weight.dtype, wo.weight_scale.dtype) == (E4M3, torch.float32)
+    assert torch.equal(wo.weight_scale, sd["weight_scale"]) and torch.equal(wo(x), before)
+
+
 def test_weight_only_emulated_w8a8_equals_scaled_mm():
     lin = nn.Linear(40, 24)  # K, N not multiples of 16: padded
     wo = Float8WeightOnlyLinear.from_float(lin, backend="scaled_mm")
