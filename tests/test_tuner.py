@@ -220,6 +220,9 @@ def test_probes_follow_a_deterministic_schedule_and_everything_is_logged():
 def test_tuner_rejects_bad_settings():
     with pytest.raises(ValueError, match="k_init"):
         DraftLengthTuner(range(1, 4), k_init=7)
+    with pytest.raises(ValueError, match="k_init=0 never measures"):  # it chose k = 0 ("init") forever
+        DraftLengthTuner(range(0, 4), k_init=0)
+    assert DraftLengthTuner([0], k_init=0).choose_k() == 0
     with pytest.raises(ValueError, match="alpha_init"):
         DraftLengthTuner(alpha_init=1.0)
     with pytest.raises(ValueError, match="choices"):
