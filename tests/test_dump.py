@@ -121,6 +121,9 @@ def test_full_vocab_argmax_bf16_head_equals_fp32():
     assert torch.equal(dump.full_vocab_argmax(hidden, head), want)
     assert torch.equal(dump.full_vocab_argmax(hidden.float(), head.float()), want)
     assert not torch.equal((hidden @ head.T).argmax(-1), want)  # plain bf16 logits do get it wrong
+    hidden[7] = torch.nan  # a broken row gets an id of the vocabulary (it got int64's max), the rest theirs
+    ids = dump.full_vocab_argmax(hidden, head)
+    assert 0 <= int(ids[7]) < 4000 and torch.equal(ids[:7], want[:7]) and torch.equal(ids[8:], want[8:])
 
 
 def test_batched_forward_matches_single(tmp_path):

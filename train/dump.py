@@ -172,10 +172,14 @@ def full_vocab_best(hidden: Tensor, head: Tensor, candidates: int = 8) -> tuple[
     picks `candidates` ids per position; each is rescored on its own, an fp32 dot product of one shape
     whatever the head's row count, and the best kept (the lowest id on a tie, as argmax). So a sharded head's
     ranks and one process score a row by the same bits: a GEMM's bits depend on the head's rows, and its
-    near-ties resolved otherwise on a rank's half (constructed: 1,505 of 4,096 rows)."""
+    near-ties resolved otherwise on a rank's half (constructed: 1,505 of 4,096 rows). (Exact ties past the
+    candidates, e.g. more than `candidates` identical head rows, are not seen.) A NaN score counts as -inf,
+    so a NaN hidden row still gets a vocabulary id (its loss is NaN anyway) rather than an id past the end.
+    """
     k = min(candidates, head.shape[0])
     cand = (hidden.to(head.dtype) @ head.T).topk(k, dim=-1).indices  # [N, k]
     exact = torch.einsum("nh,nkh->nk", hidden.float(), head[cand].float())  # [N, k] fp32
+    exact = exact.nan_to_num(nan=-torch.inf)  # (a NaN is never == best: the min below was int64's max)
     best = exact.max(-1, keepdim=True).values  # [N, 1]
     ids = torch.where(exact == best, cand, torch.iinfo(cand.dtype).max).min(-1).values  # lowest id on a tie
     return ids, best[:, 0]
