@@ -434,6 +434,32 @@ def test_eagle31_carries_an_eagle3_draft_and_keeps_its_norms(tiny, tmp_path):
         )
 
 
+def test_resume_builds_the_checkpoints_draft_or_refuses(tiny, tmp_path):
+    """A run from an --init-draft takes that draft's norm variants; resumed without --init-draft it built a
+    plain draft: norm_before_residual (no tensor) was dropped silently and training went on (exit 0), an
+    EAGLE-3.1 init draft's fc_norm tensors stopped it with a load_state_dict traceback. Both are now one
+    UserError naming the field; resumed with the same --init-draft, the run ends as the uninterrupted one."""
+    run(tiny, tmp_path / "a", steps=2)
+    src = load_draft(tmp_path / "a" / "draft")
+    for variant in ("norm_before_residual", "fc_norm"):
+        d = Eagle3Draft(dataclasses.replace(src.config, **{variant: True}))
+        d.load_state_dict(src.state_dict(), strict=False)  # fc_norm's weights stay at 1
+        save_draft(d, tmp_path / variant)
+        kw = dict(steps=4, checkpoint_every=2, init_draft=str(tmp_path / variant))
+        run(tiny, tmp_path / f"full-{variant}", **kw)
+        cut = tmp_path / f"cut-{variant}"
+        run(tiny, cut, stop_after=2, **kw)
+        with pytest.raises(
+            UserError, match=rf"draft/config.json: the checkpoint's draft is not the one this run builds "
+            rf"\({variant}=True there, False now\); resume with the --init-draft"
+        ):  # fmt: skip
+            run(tiny, cut, steps=4, checkpoint_every=2, resume="auto")
+        assert [r["step"] for r in records(cut)] == [1, 2]  # nothing trained
+        run(tiny, cut, resume="auto", **kw)  # the control: with its --init-draft it resumes
+        assert getattr(load_draft(cut / "draft").config, variant)
+        assert [r["loss"] for r in records(cut)] == [r["loss"] for r in records(tmp_path / f"full-{variant}")]
+
+
 def test_online_equals_dumps(tiny, tmp_path):
     online = OnlineDataset(tiny["model"], tiny["samples"], LAYERS, batch_tokens=1)
     run(tiny, tmp_path / "dumps", steps=3)

@@ -72,6 +72,7 @@ from maverick.cli import (
     output_dir,
     positive_float,
     positive_int,
+    read_json_object,
     run_cli,
     share,
 )
@@ -727,7 +728,25 @@ class _Run:
                 f"{ck}: its draft vocabulary is not this run's (an --init-draft run keeps the init draft's "
                 "vocabulary unless --new-vocab; resume with the setting the run was started with)"
             )
-        self.draft.load_state_dict({**sd, **state.get("fp8_buffers", {})}, strict=True)
+        # the architecture too: an --init-draft's norm variants (norm_before_residual and norm_output have no
+        # tensor) come from that draft, so a resume without it would build, and train, another draft
+        cf = ck / "draft" / "config.json"
+        saved_cfg = DraftConfig.from_hf_dict(read_json_object(cf), str(cf))
+        differ = [f"{f.name}={getattr(saved_cfg, f.name)!r} there, {getattr(self.draft.config, f.name)!r} now"
+                  for f in dataclasses.fields(DraftConfig)
+                  if f.compare and getattr(saved_cfg, f.name) != getattr(self.draft.config, f.name)]  # fmt: skip
+        if differ:
+            raise UserError(
+                f"{cf}: the checkpoint's draft is not the one this run builds ({'; '.join(differ)}); resume "
+                "with the --init-draft (and --eagle-3.1) the run was started with"
+            )
+        try:
+            self.draft.load_state_dict({**sd, **state.get("fp8_buffers", {})}, strict=True)
+        except RuntimeError as exc:  # same config, other tensors: a checkpoint edited or mixed up by hand
+            why = str(exc).strip().splitlines()[-1].strip()
+            raise UserError(
+                f"{ck / 'draft'}: its weights do not fit the draft of its config.json ({why})"
+            ) from None
         self.optimizer_state = state["optimizer"]
         self.scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(state["rng"])
