@@ -19,6 +19,7 @@ from maverick.target import target_identity
 from tests.test_fit import ROOT, draft_weights, records, run
 from train.dump import DumpDataset, DumpError, DumpSettings, write_dumps
 from train.fit import NonFiniteStep
+from train.online import OnlineDataset
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -130,3 +131,48 @@ def test_manifest_totals_must_match_the_shard_list(tiny, tmp_path):
     (d / "manifest.json").write_text(json.dumps(dict(m, shards=m["shards"][:1])))  # "complete", one shard
     with pytest.raises(DumpError, match="sums to"):
         DumpDataset(d)
+
+
+def _dump(tiny, out, samples, dtype):
+    """tiny's samples (or others of the same lengths) dumped with the target record's dtype `dtype`."""
+    data = {"source": "test", "split": "train", "num_samples": len(samples),
+            "fingerprint": train_samples.samples_fingerprint(samples)}  # fmt: skip
+    target = target_identity(tiny["root"] / "target") | {"dtype": dtype}
+    settings = DumpSettings(target, tf.LAYERS, "bf16", 32, 8, data)
+    write_dumps(tiny["model"], samples, out, settings, batch_tokens=1, vocab=tiny["vocab"], progress=False)
+    return DumpDataset(out)
+
+
+def test_resume_refuses_other_data_of_the_same_lengths(tiny, tmp_path):
+    """The checkpoint's data check was a hash of the sample lengths: a run started on one target dtype's dumps
+    resumed on another's (or on other samples of the same lengths, or online on another target) without a
+    word. The checkpoint now holds the data's identity (samples fingerprint, target, features) and names what
+    differs; a checkpoint saved before it (no identity) resumes as before."""
+    kw = dict(steps=4, checkpoint_every=2)
+    run(tiny, tmp_path / "run", stop_after=2, **kw)  # tiny's dumps: target dtype fp32
+    state = torch.load(tmp_path / "run/checkpoints/step-0000002/training_state.pt", weights_only=True)
+    assert state["data"]["identity"]["target.dtype"] == "fp32"
+    bf16 = _dump(tiny, tmp_path / "bf16", tiny["samples"], "bf16")
+    with pytest.raises(UserError, match=r"trained on other data \(target.dtype 'fp32', 'bf16': saved, now\)"):
+        run(tiny, tmp_path / "run", data=bf16, resume="auto", **kw)
+    shifted = [dict(s, input_ids=(s["input_ids"] + 1) % 512) for s in tiny["samples"]]  # the same lengths
+    other = _dump(tiny, tmp_path / "other", shifted, "fp32")
+    fp = state["data"]["identity"]["samples"][0][:12]
+    with pytest.raises(
+        UserError, match=rf"other data \(samples \['{fp}'\], \['[0-9a-f]{{12}}'\]: saved, now\)"
+    ):
+        run(tiny, tmp_path / "run", data=other, resume="auto", **kw)
+    target = {"size": 1, "dtype": "fp32"}  # online: the samples and the target it was loaded from
+    online = OnlineDataset(tiny["model"], tiny["samples"], tf.LAYERS, batch_tokens=1, target=target)
+    run(tiny, tmp_path / "online", data=online, stop_after=2, **kw)
+    online = OnlineDataset(
+        tiny["model"], tiny["samples"], tf.LAYERS, batch_tokens=1, target=target | {"dtype": "bf16"}
+    )
+    with pytest.raises(UserError, match=r"other data \(target.dtype 'fp32', 'bf16': saved, now\)"):
+        run(tiny, tmp_path / "online", data=online, resume="auto", **kw)
+    assert [r["step"] for r in records(tmp_path / "run")] == [1, 2]  # nothing trained
+    # the control: a checkpoint saved before the identity was recorded resumes on the bf16 dumps
+    del state["data"]["identity"]
+    torch.save(state, tmp_path / "run/checkpoints/step-0000002/training_state.pt")
+    run(tiny, tmp_path / "run", data=bf16, resume="auto", **kw)
+    assert [r["step"] for r in records(tmp_path / "run")] == [1, 2, 3, 4]

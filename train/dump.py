@@ -66,6 +66,7 @@ from maverick.cli import (
     read_json_object,
     run_cli,
 )
+from maverick.config import Llama4Config
 from maverick.files import atomic_path, atomic_write, remove_leftovers
 from maverick.model import Llama4
 from maverick.target import TARGET_DTYPES, TARGET_HELP, default_target_path, target_identity
@@ -524,6 +525,25 @@ def _check_same_dump(first: Path, a: Mapping[str, Any], other: Path, b: Mapping[
             )
 
 
+def target_record(path: str | os.PathLike, dtype: str, cfg: Llama4Config) -> dict[str, Any]:
+    """The manifest's "target": its identity (path, size), the forward's dtype and the shapes it fixes."""
+    return target_identity(path) | {"dtype": dtype, "hidden_size": cfg.hidden_size,
+                                    "num_hidden_layers": cfg.num_hidden_layers, "vocab_size": cfg.vocab_size}  # fmt: skip
+
+
+def data_identity(
+    fingerprints: Sequence[str | None],
+    target: Mapping[str, Any],
+    feature_layers: Sequence[int],
+    dtype: str | None,
+) -> dict[str, Any]:
+    """What train.fit's --resume compares to know it reads the data a run started on (and --eval-dumps, but
+    for "samples", to know they score the training data's kind): the samples' fingerprints (one per dump
+    directory), the target as `_check_same_dump` compares it, the feature layers and the stored dtype."""
+    return {"samples": list(fingerprints), **{f"target.{k}": target.get(k) for k in _SAME_TARGET},
+            "feature_layers": list(feature_layers), "dtype": dtype}  # fmt: skip
+
+
 def check_manifest_totals(directory: Path, m: Mapping[str, Any]) -> None:
     """The manifest's totals (samples, tokens, bytes, shard count) must be those of its shard list, and a
     complete dump's shards must cover its samples in order: an edited or mixed-up manifest is refused."""
@@ -575,9 +595,10 @@ class DumpDataset:
             raise DumpError("no dump directory given")
         self.directory, self.directories = dirs[0], dirs
         self.manifest = read_manifest(self.directory)
-        self.shards = []
+        self.shards, fingerprints = [], []
         for d in dirs:
             md = read_manifest(d)
+            fingerprints.append((md.get("data") or {}).get("fingerprint"))
             check_manifest_totals(d, md)
             _check_same_dump(self.directory, self.manifest, d, md)
             if not md.get("complete") and not allow_partial:
@@ -594,6 +615,8 @@ class DumpDataset:
         self._starts = starts
         self.lengths: list[int] = [int(x) for s in self.shards for x in (s.offsets[1:] - s.offsets[:-1])]
         self.feature_layers = tuple(self.manifest["feature_layers"])
+        m = self.manifest
+        self.identity = data_identity(fingerprints, m.get("target", {}), self.feature_layers, m.get("dtype"))
 
     def __len__(self) -> int:
         return self._starts[-1]
@@ -676,8 +699,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     check_feature_layers(layers, cfg.num_hidden_layers, "--feature-layers")
     d2t, t2d, coverage = draft_vocab_from(train_split, cfg.vocab_size, args.draft_vocab_size)
-    target = target_identity(target_path) | {"dtype": args.target_dtype, "hidden_size": cfg.hidden_size,
-                                             "num_hidden_layers": cfg.num_hidden_layers, "vocab_size": cfg.vocab_size}  # fmt: skip
+    target = target_record(target_path, args.target_dtype, cfg)
     settings = DumpSettings(target, layers, args.dtype, args.max_length, args.shard_size, data)
     m = write_dumps(model, samples, args.out, settings, args.batch_tokens, (d2t, t2d), not args.no_progress)
     if not rank0:

@@ -187,6 +187,18 @@ def data_fingerprint(lengths: Sequence[int]) -> str:
     return hashlib.sha256(np.asarray(lengths, dtype=np.int64).tobytes()).hexdigest()[:16]
 
 
+def identity_diff(a: dict[str, Any], b: dict[str, Any], skip: Sequence[str] = ()) -> list[str]:
+    """The entries of two data identities (train.dump.data_identity) that differ, as "key A, B" (fingerprints
+    cut to 12 characters); an entry either side lacks (None: a dump written before it was recorded, an
+    in-memory target) is not compared."""
+
+    def show(k, v):
+        return [x[:12] if isinstance(x, str) else x for x in v] if k == "samples" else v
+
+    return [f"{k} {show(k, a[k])!r}, {show(k, b[k])!r}" for k in a
+            if k not in skip and a[k] is not None and b.get(k) is not None and a[k] != b[k]]  # fmt: skip
+
+
 # ----------------------------------------------------------------------------------------------------
 # Batches and the loss
 
@@ -686,6 +698,8 @@ class _Run:
         self.global_batch = cfg.batch_size * acc.num_processes * cfg.grad_accum
         self.per_epoch = len(epoch_batches(data.lengths, self.global_batch, cfg.seed, 0, cfg.group_by_length))
         self.fingerprint = data_fingerprint(data.lengths)
+        # DumpDataset's or OnlineDataset's (train.dump.data_identity); a test's wrapper may have none
+        self.identity = getattr(data, "identity", None)
         self._batches: tuple[int, list[list[int]]] = (-1, [])
         self.fp8_sync = None
         fsdp = is_fsdp(acc)
@@ -721,6 +735,15 @@ class _Run:
         ):
             raise UserError(
                 f"{ck / STATE_FILE}: the checkpoint was trained on other data or another global batch"
+            )
+        # the lengths alone let other data of the same samples through (another target, its dtype): a checkpoint
+        # saved since "identity" was recorded names what differs (an older one has none: not compared)
+        then = state["data"].get("identity")
+        diff = identity_diff(then, self.identity) if then is not None and self.identity is not None else []
+        if diff:
+            raise UserError(
+                f"{ck / STATE_FILE}: the checkpoint was trained on other data ({'; '.join(diff)}: saved, now); "
+                "resume on the data the run was started with"
             )
         sd = read_safetensors(ck / "draft" / "model.safetensors")  # a corrupt one: a UserError naming it
         if not torch.equal(sd["d2t"], self.draft.d2t.cpu()):
@@ -788,6 +811,7 @@ class _Run:
                 "seed": self.cfg.seed,
                 "fingerprint": self.fingerprint,
                 "world_batch": self.global_batch,
+                **({"identity": self.identity} if self.identity is not None else {}),
             },  # fmt: skip
             "config": self.cfg.resume_view(),
             "fp8_buffers": {k: v for k, v in self.draft.state_dict().items() if k not in plain},

@@ -21,8 +21,16 @@ import torch
 from torch import Tensor
 
 from maverick.model import Llama4
-from maverick.target import load_target
-from train.dump import default_feature_layers, plan_batches, run_target
+from maverick.target import TARGET_DTYPES, load_target
+from train.dump import (
+    STORE_DTYPES,
+    data_identity,
+    default_feature_layers,
+    plan_batches,
+    run_target,
+    target_record,
+)
+from train.samples import samples_fingerprint
 
 
 class OnlineDataset:
@@ -33,7 +41,10 @@ class OnlineDataset:
         feature_layers: Sequence[int] | None = None,
         store_dtype: torch.dtype = torch.bfloat16,
         batch_tokens: int = 4096,
+        target: Mapping[str, Any] | None = None,
     ):
+        """target: the manifest record of the model (train.dump.target_record) where it was loaded from a
+        path; it enters `identity`, which train.fit compares on --resume."""
         if not samples:
             raise ValueError("OnlineDataset: no samples")
         self.model = model.eval()
@@ -48,6 +59,10 @@ class OnlineDataset:
         # the target's tables in fp32 (after rounding to the forward's dtype), for fit.py
         self.embed_weight = model.model.embed_tokens.weight.detach().float()
         self.lm_head_weight = model.lm_head.weight.detach().float()
+        stored = next(k for k, v in STORE_DTYPES.items() if v == store_dtype)
+        self.identity = data_identity(
+            [samples_fingerprint(self.samples)], target or {}, self.feature_layers, stored
+        )
 
     @classmethod
     def from_path(
@@ -59,7 +74,9 @@ class OnlineDataset:
         device: str = "cpu",
     ) -> OnlineDataset:
         """Load the target (.gguf or HF dir) and run it in `dtype` on `device`."""
-        return cls(load_target(path, dtype, device), samples, feature_layers)
+        model = load_target(path, dtype, device)
+        name = next(k for k, v in TARGET_DTYPES.items() if v == dtype)
+        return cls(model, samples, feature_layers, target=target_record(path, name, model.config))
 
     def __len__(self) -> int:
         return len(self.samples)
