@@ -133,12 +133,12 @@ def test_manifest_totals_must_match_the_shard_list(tiny, tmp_path):
         DumpDataset(d)
 
 
-def _dump(tiny, out, samples, dtype):
+def _dump(tiny, out, samples, dtype, layers=tf.LAYERS):
     """tiny's samples (or others of the same lengths) dumped with the target record's dtype `dtype`."""
     data = {"source": "test", "split": "train", "num_samples": len(samples),
             "fingerprint": train_samples.samples_fingerprint(samples)}  # fmt: skip
     target = target_identity(tiny["root"] / "target") | {"dtype": dtype}
-    settings = DumpSettings(target, tf.LAYERS, "bf16", 32, 8, data)
+    settings = DumpSettings(target, layers, "bf16", 32, 8, data)
     write_dumps(tiny["model"], samples, out, settings, batch_tokens=1, vocab=tiny["vocab"], progress=False)
     return DumpDataset(out)
 
@@ -176,3 +176,19 @@ def test_resume_refuses_other_data_of_the_same_lengths(tiny, tmp_path):
     torch.save(state, tmp_path / "run/checkpoints/step-0000002/training_state.pt")
     run(tiny, tmp_path / "run", data=bf16, resume="auto", **kw)
     assert [r["step"] for r in records(tmp_path / "run")] == [1, 2, 3, 4]
+
+
+def test_eval_dumps_must_be_the_training_dumps_kind(tiny, tmp_path):
+    """--eval-dumps made with other feature layers (or another target dtype) than --dumps were scored every
+    --eval-every steps, a held-out loss that means nothing; now refused before the run, naming the field."""
+    layers = _dump(tiny, tmp_path / "layers", tiny["samples"][:8], "fp32", layers=(3, 2, 1))
+    with pytest.raises(UserError, match=r"--eval-dumps .*/layers: not dumps of the training data's target and "
+                       r"features \(feature_layers \[3, 2, 1\], \[1, 2, 3\]: held-out, training\)"):  # fmt: skip
+        run(tiny, tmp_path / "a", steps=2, eval_every=2, eval_data=layers)
+    bf16 = _dump(tiny, tmp_path / "bf16", tiny["samples"][:8], "bf16")
+    with pytest.raises(UserError, match=r"\(target.dtype 'bf16', 'fp32': held-out, training\)"):
+        run(tiny, tmp_path / "b", steps=2, eval_every=2, eval_data=bf16)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before the run
+    same = _dump(tiny, tmp_path / "same", tiny["samples"][:8], "fp32")  # the control: the same kind is scored
+    run(tiny, tmp_path / "c", steps=2, eval_every=2, eval_data=same)
+    assert "eval_loss" in records(tmp_path / "c")[-1]

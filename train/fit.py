@@ -659,6 +659,8 @@ def train(
 
     `step_callback(step, record)` runs after every optimizer step (e.g. to watch progress; an exception
     there stops the run like a crash would, without a checkpoint)."""
+    if eval_data is not None:
+        check_eval_data(data, eval_data)
     prepare_out(cfg)
     acc = _make_accelerator(cfg)
     try:
@@ -673,6 +675,20 @@ def train(
 
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
+
+
+def check_eval_data(data: TrainData, eval_data: TrainData) -> None:
+    """Held-out dumps must be what the training data is (as dump directories read together: the same target,
+    feature layers and stored dtype): others were scored, a number that means nothing, every --eval-every."""
+    a, b = getattr(eval_data, "identity", None), getattr(data, "identity", None)
+    diff = identity_diff(a, b, skip=("samples",)) if a is not None and b is not None else []
+    if diff:
+        where = ",".join(map(str, getattr(eval_data, "directories", []))) or "the held-out data"
+        raise UserError(
+            f"--eval-dumps {where}: not dumps of the training data's target and features ({'; '.join(diff)}: "
+            "held-out, training); dump them with the training data's --target, --target-dtype, --feature-layers "
+            "and --dtype"
+        )
 
 
 class _Run:
