@@ -585,6 +585,43 @@ def test_fit_refuses_a_file_as_out_before_reading_data(tmp_path):
     assert check_out(FitConfig(out=str(tmp_path / "new"), online=True)) == []  # the control
 
 
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--new-vocab"], "error: --new-vocab replaces an --init-draft's vocabulary (a fresh draft has the data's)"),
+        (["--eval-every", "2"], "error: --eval-every scores --eval-dumps: give them, or drop --eval-every"),
+        (["--eval-dumps", "e"], "error: --eval-dumps are scored every --eval-every N steps: give it"),
+        (["--draft-vocab-size", "17", "--target-dtype", "bf16", "--max-samples", "3"],
+         "error: --draft-vocab-size, --target-dtype, --max-samples: --online options, not read with --dumps"),
+        (["--split", "train"], "error: --split: --online options, not read with --dumps"),
+    ],
+)  # fmt: skip
+def test_fit_refuses_options_it_would_ignore(argv, says, tmp_path, capsys):
+    """Each of these ran to the end (exit 0) without the option: --new-vocab with no --init-draft, --eval-every
+    with no --eval-dumps (and --eval-dumps never scored without it), the online data options with --dumps.
+    Now refused before any data is read (--dumps names no directory here)."""
+    from train import fit
+
+    base = ["--dumps", str(tmp_path / "none"), "--out", str(tmp_path / "out"), "--tracker", "none"]
+    code, err = exit_status(fit.main, base + argv, capsys)
+    assert code == 2 and err.strip().startswith(says) and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_fit_online_options_keep_their_defaults():
+    """The control: with --online the data options (parsed as None to see them given) get their defaults."""
+    from train import fit
+
+    cfg = fit.config_from_args(fit.build_parser().parse_args(["--online", "--out", "o"]))
+    assert (cfg.draft_vocab_size, cfg.target_dtype) == (8192, "bf16")
+    assert cfg.online_args == {"data": "sharegpt", "split": "train", "max_samples": None, "max_conversations": None,
+                               "heldout_fraction": 0.02, "split_seed": 0, "cache_dir": ".cache/chat_data",
+                               "tokenizer": None, "max_length": 1024}  # fmt: skip
+    cfg = fit.config_from_args(fit.build_parser().parse_args(["--online", "--out", "o", "--split", "heldout",
+                                                              "--draft-vocab-size", "64"]))  # fmt: skip
+    assert (cfg.draft_vocab_size, cfg.online_args["split"]) == (64, "heldout")
+
+
 def test_answers_too_short_to_score_are_refused(capsys):
     from eval import acceptance
 

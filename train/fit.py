@@ -1119,7 +1119,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--stop-after", type=positive_int, default=None, help="stop after this step (checkpointed)"
     )
     p.add_argument("--eval-dumps", default=None, help="held-out dumps scored every --eval-every steps")
-    p.add_argument("--eval-every", type=nonnegative_int, default=0)
+    p.add_argument("--eval-every", type=positive_int, default=None, help="with --eval-dumps: score them every "
+                   "N steps and at the end")  # fmt: skip
     p.add_argument(
         "--fp8", action="store_true", help="FP8 (maverick.fp8) for the draft's linears except lm_head"
     )
@@ -1139,10 +1140,35 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-vocab-size", type=positive_int, default=8192)
     g.add_argument("--target-dtype", default="bf16", choices=sorted(TARGET_DTYPES))
     add_data_args(p, max_length_default=None)  # --max-length: dumps are cut to it; online default 1024
+    # the --online options default to None here, so that one given with --dumps is seen (and refused);
+    # config_from_args gives them their defaults
+    p.set_defaults(online_defaults={k: p.get_default(k) for k in ONLINE_ONLY}, **dict.fromkeys(ONLINE_ONLY))
     return p
 
 
+# options that only --online reads (the dumps fix their data, target dtype and vocabulary)
+ONLINE_ONLY = ("draft_vocab_size", "target_dtype", "data", "split", "max_samples", "max_conversations",
+               "heldout_fraction", "split_seed", "cache_dir", "tokenizer")  # fmt: skip
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Options that this combination would ignore, refused (a run that silently did without them)."""
+    if args.new_vocab and not args.init_draft:
+        raise UserError("--new-vocab replaces an --init-draft's vocabulary (a fresh draft has the data's)")
+    if args.eval_every is not None and not args.eval_dumps:
+        raise UserError("--eval-every scores --eval-dumps: give them, or drop --eval-every")
+    if args.eval_dumps and args.eval_every is None:
+        raise UserError("--eval-dumps are scored every --eval-every N steps: give it")
+    given = ["--" + k.replace("_", "-") for k in ONLINE_ONLY if getattr(args, k) is not None]
+    if args.dumps and given:
+        raise UserError(f"{', '.join(given)}: --online options, not read with --dumps (a dump fixes its data, "
+                        "target dtype and vocabulary: python -m train.dump takes them)")  # fmt: skip
+
+
 def config_from_args(args: argparse.Namespace) -> FitConfig:
+    check_options(args)
+    args = argparse.Namespace(**vars(args) | {k: args.online_defaults[k] for k in ONLINE_ONLY
+                                               if getattr(args, k) is None})  # fmt: skip
     online_keys = ("data", "split", "max_samples", "max_conversations", "heldout_fraction", "split_seed",
                    "cache_dir", "tokenizer")  # fmt: skip
     return FitConfig(
@@ -1153,7 +1179,7 @@ def config_from_args(args: argparse.Namespace) -> FitConfig:
         group_by_length=not args.no_group_by_length, max_length=args.max_length if args.dumps else None,
         checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints, log_every=args.log_every,
         tracker=args.tracker, resume=args.resume, stop_after=args.stop_after, eval_dumps=args.eval_dumps,
-        eval_every=args.eval_every, fp8=args.fp8, init_std=args.init_std, init_draft=args.init_draft, new_vocab=args.new_vocab, eagle31=args.eagle31, progress=not args.no_progress, cpu=args.cpu,
+        eval_every=args.eval_every or 0, fp8=args.fp8, init_std=args.init_std, init_draft=args.init_draft, new_vocab=args.new_vocab, eagle31=args.eagle31, progress=not args.no_progress, cpu=args.cpu,
         draft_vocab_size=args.draft_vocab_size, target_dtype=args.target_dtype,
         online_args={k: getattr(args, k) for k in online_keys} | {"max_length": args.max_length or 1024} if args.online else None,
         overwrite=args.overwrite, verify_dumps=not args.no_verify_dumps,
