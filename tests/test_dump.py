@@ -349,3 +349,40 @@ def test_real_target_smoke(tmp_path):
     with torch.no_grad():
         logits = model(s["input_ids"].long()[None]).logits[0].float()
     assert (logits.argmax(-1) == s["target_argmax"].long()).float().mean() > 0.95
+
+
+def test_an_empty_train_split_is_one_line(tmp_path):
+    """--split heldout where every conversation is held out: the draft vocabulary (counted on the train split)
+    stopped train.dump and train.fit --online with torch.cat's ValueError traceback; now a UserError naming the
+    split, the data and the fraction. The control: the same data with more of it in training gives samples."""
+    import argparse
+
+    from maverick.cli import UserError
+    from train.data import is_heldout
+    from train.samples import chat_samples
+
+    ids = [f"c{i}" for i in range(40)]
+    held = next(i for i in ids if is_heldout(i, 0.99, 0))
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(
+        "\n".join(
+            json.dumps(
+                {
+                    "id": i,
+                    "messages": [
+                        {"role": "user", "content": f"Question {i}?"},
+                        {"role": "assistant", "content": f"Answer {i}."},
+                    ],
+                }
+            )
+            for i in [held] + [i for i in ids if i != held]
+        )  # fmt: skip
+    )
+    args = argparse.Namespace(data=str(chats), split="heldout", max_samples=None, max_conversations=1,
+                              max_length=64, heldout_fraction=0.99, split_seed=0, cache_dir=str(tmp_path / "c"))  # fmt: skip
+    with pytest.raises(UserError, match=rf"^no samples in the train split of {chats} \(1 conversations, "
+                       r"--heldout-fraction 0.99\), on which the draft vocabulary is counted"):  # fmt: skip
+        chat_samples(args, None)
+    args.max_conversations, args.heldout_fraction = 40, 0.5
+    samples, train, data = chat_samples(args, None)
+    assert len(samples) >= 1 and len(train) >= 1 and data["num_samples"] == len(samples)

@@ -91,6 +91,12 @@ def chat_samples(args: argparse.Namespace, tokenizer_path: str | None) -> tuple[
     samples = split_samples(split)
     if not samples:
         raise UserError(f"no samples in the {args.split} split of {args.data}")
+    if len(dd["train"]) == 0:  # --split heldout: the draft vocabulary is still counted on the train split
+        raise UserError(
+            f"no samples in the train split of {args.data} ({len(conversations)} conversations, --heldout-fraction "
+            f"{args.heldout_fraction}), on which the draft vocabulary is counted: give more conversations or a "
+            "smaller --heldout-fraction"
+        )
     data = {
         "source": str(Path(args.data).resolve()) if args.data != "sharegpt" else "sharegpt",
         "split": args.split,
