@@ -209,12 +209,18 @@ def tokens_per_s(gen: Generation) -> float:
 
 
 def run_record(
-    method: str, prompt_id: str, gen: Generation, dtype: str = "bf16", turn: int = 0, device: str = "cpu"
+    method: str,
+    prompt_id: str,
+    gen: Generation,
+    dtype: str = "bf16",
+    turn: int = 0,
+    device: str = "cpu",
+    peak_mb: float | None = None,
 ) -> RunRecord:
     """One eval.report.RunRecord from a plain or speculative Generation of one prompt (a batch's stats
-    hold row 0's draft lengths only: give each prompt its own generate call); the memory column is the
-    process's peak on `device` since the last `eval.bench.reset_peak_memory` (as eval.bench records it, which resets it
-    before each generation: do the same for each generation's own peak)."""
+    hold row 0's draft lengths only: give each prompt its own generate call); the memory column is `peak_mb`
+    or else the process's peak on `device` since the last `eval.bench.reset_peak_memory` (as eval.bench
+    records it, which resets it before each generation: do the same for each generation's own peak)."""
     from eval.bench import peak_memory_mb
 
     if len(gen.tokens) != 1:
@@ -242,7 +248,7 @@ def run_record(
         ttft=gen.ttft,
         output_ids=list(gen.tokens[0]),
         dtype=dtype,
-        peak_memory_mb=peak_memory_mb(device),
+        peak_memory_mb=peak_memory_mb(device) if peak_mb is None else peak_mb,
         **kw,
     )
 

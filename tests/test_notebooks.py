@@ -154,6 +154,7 @@ def test_run_record_and_pooled_tau():
     r = nbu.run_record("plain", 7, plain)
     assert (r.prompt_id, r.new_tokens, r.cycles, r.output_ids) == ("7", 3, 0, [1, 2, 3])
     assert nbu.tokens_per_s(plain) == 6.0
+    assert nbu.run_record("plain", 7, plain, peak_mb=12.5).peak_memory_mb == 12.5  # measured after generating
     stats = SpecStats(cycles=2, accepted=[3, 0], accepted_rows=[[3], [0]], draft_lengths=[4, 4])
     stats.draft_seconds, stats.verify_seconds = 0.1, 0.2
     spec = Generation([[1, 2, 3, 4, 5, 6]], [4], seconds=0.4, ttft=0.1, stats={"spec": stats})
