@@ -238,3 +238,25 @@ def test_hf_reference_of_a_gguf_is_saved_and_read_back(tmp_path, monkeypatch, hf
     (saved / "model.safetensors").write_bytes(b"cut")
     assert load_hf_reference(None) is hf_smollm2 and reads[-2:] == ["saved", "gguf"]
     assert (saved / "model.safetensors").stat().st_size > 500_000_000
+
+
+def test_the_hf_copy_is_keyed_by_its_own_format(monkeypatch, tmp_path):
+    """The saved HF copies of a GGUF are named by HF_FORMAT, not the tokenizer's saved format (a tokenizer
+    format bump made a new 514 MB model copy)."""
+    import maverick.target as target
+    import maverick.tokenizer as tokenizer
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(root, p, fmt=None):
+        seen.append(fmt)
+        raise Stop
+
+    monkeypatch.setattr(target, "saved_copy_dir", spy)
+    monkeypatch.setattr(tokenizer, "SAVED_FORMAT", 99)
+    with pytest.raises(Stop):
+        target._hf_from_gguf(tmp_path / "x.gguf", {})
+    assert seen == [target.HF_FORMAT] and target.HF_FORMAT != 99
