@@ -380,6 +380,25 @@ def test_init_draft_continues_from_saved_weights(tiny, tmp_path):
         assert torch.equal(d["lm_head.weight"][i], a["lm_head.weight"][j])
     assert not torch.equal(d["lm_head.weight"], a["lm_head.weight"])
 
+    # a draft of a larger vocabulary (320) continued under the data's (256): its shared rows carried (the
+    # size was refused, "draft_vocab_size=320, this run needs 256", though --new-vocab takes any vocabulary)
+    counts = torch.bincount(
+        torch.cat([s["input_ids"] for s in tiny_samples(16, seed=6)]).long(), minlength=512
+    )
+    big = grow_vocab(load_draft(tmp_path / "a" / "draft"), counts, 320)
+    save_draft(big, tmp_path / "big")
+    run(tiny, tmp_path / "g", steps=2, lr=0.0, init_draft=str(tmp_path / "big"), new_vocab=True)
+    g = draft_weights(tmp_path / "g")
+    assert torch.equal(g["d2t"], tiny["vocab"][0]) and all(
+        torch.equal(a[k], g[k]) for k in a if k != "lm_head.weight"
+    )
+    theirs = {t: i for i, t in enumerate(big.draft_to_target_ids.tolist())}
+    assert all(
+        torch.equal(g["lm_head.weight"][i], big.lm_head.weight[theirs[t]])
+        for i, t in enumerate(ours)
+        if t in theirs
+    )
+
     run(tiny, tmp_path / "e", steps=4, checkpoint_every=2, init_draft=str(tmp_path / "other"), new_vocab=True)
     with pytest.raises(UserError, match="draft vocabulary is not this run's.*--new-vocab"):
         run(

@@ -573,7 +573,7 @@ def init_from_draft(
     src: Eagle3Draft | None = None,
 ) -> None:
     """Copy the weights of a saved draft (continued training on more data). Its shapes and features must be
-    the ones this run builds; its vocabulary may differ (`--new-vocab`): lm_head rows of tokens in both
+    the ones this run builds; its vocabulary may differ, in size too (`--new-vocab`): lm_head rows of tokens in both
     vocabularies are carried over, the others keep their fresh initialisation. Its norm variants may differ
     too (an EAGLE-3 draft carried into an EAGLE-3.1 one): norms that only this draft has keep their fresh
     weights (1), except a new fc_norm, which `scale_fc_norms` sets from `features()` (some training samples'
@@ -581,7 +581,7 @@ def init_from_draft(
     src: the draft at `path`, when the caller has loaded it already."""
     src = load_draft(path) if src is None else src
     for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                 "head_dim", "vocab_size", "draft_vocab_size", "target_hidden_size", "feature_layers"):  # fmt: skip
+                 "head_dim", "vocab_size", "target_hidden_size", "feature_layers"):  # fmt: skip
         mine, theirs = getattr(draft.config, name), getattr(src.config, name)
         if mine != theirs:
             raise UserError(f"{path}: draft config {name}={theirs!r}, this run needs {mine!r}")
