@@ -276,6 +276,21 @@ def test_a_failed_regeneration_keeps_every_finished_conversation(tmp_path, monke
     )
 
 
+def test_a_rerun_answers_the_conversations_an_uninterrupted_run_would(tmp_path):
+    """Regeneration stopped after some conversations (here: --max-conversations 2), then rerun: the rerun goes
+    on down the same shuffled order (it shuffled what was left, and answered other conversations)."""
+    torch.set_num_threads(1)
+    target, data = make_data(tmp_path)
+    once, twice = tmp_path / "once", tmp_path / "twice"
+    run(target, data, once, "--max-conversations", "6", "--stop-after", "regen")
+    run(target, data, twice, "--max-conversations", "2", "--stop-after", "regen")
+    assert len(answers.read_records(twice / ANSWERS)) == 2
+    (twice / "stage.json").unlink()  # (so that the rerun regenerates again, as after an interruption)
+    run(target, data, twice, "--max-conversations", "6", "--stop-after", "regen")
+    ids = [{r["id"] for r in answers.read_records(p / ANSWERS)} for p in (once, twice)]
+    assert len(ids[0]) == 6 and ids[0] == ids[1]
+
+
 def kill_training_at(n: int, monkeypatch):
     """The stage's n-th training step raises ("killed"); returns a function that undoes it."""
     import train.stage as stage
@@ -479,3 +494,72 @@ def test_a_ctrl_c_or_a_failure_while_loading_counts_the_run_and_its_minutes(tmp_
         assert isinstance(e.value, KeyboardInterrupt | RuntimeError)
         s = json.loads((out / "stage.json").read_text())
         assert s["runs"] == runs and s["minutes"] > 2.5 + 0.0015 * (runs - 2)
+
+
+def test_a_ctrl_c_in_training_saves_the_state_and_the_draft(tmp_path, monkeypatch):
+    """A Ctrl-C (the device script's hang guard) during training ends that step, saves the training state
+    and the draft, then stops: nothing was saved before the next --checkpoint-seconds (60 s by default), so
+    a rerun started training over and a machine gone cold returned no draft."""
+    import os
+    import signal
+
+    import train.stage as stage
+
+    torch.set_num_threads(1)
+    target, data = make_data(tmp_path)
+    out = tmp_path / "o"
+    real, calls = stage.dense_step_sums, []
+
+    def ctrl_c_at_3(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(stage, "dense_step_sums", ctrl_c_at_3)
+    with pytest.raises(KeyboardInterrupt):
+        run(target, data, out, "--max-conversations", "3")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+    assert torch.load(out / "train_state.pt", weights_only=True)["step"] == 3
+    assert json.loads((out / "draft" / "training.json").read_text())["interrupted"] is True
+    monkeypatch.setattr(stage, "dense_step_sums", real)
+    s = run(target, data, out)
+    assert (s["phases"]["train"]["steps"], s["phases"]["train"]["steps_this_run"]) == (6, 3)
+    assert "interrupted" not in json.loads((out / "draft" / "training.json").read_text())
+
+
+def test_training_resumes_only_on_its_vocabulary_and_samples(tmp_path, monkeypatch):
+    """A checkpoint of a draft of another vocabulary of the same size (another --init-draft) trained against
+    the first run's target rows without a word; one of other samples (another --data) resumed at a position
+    of another batch list."""
+    from eagle3.draft import load_draft, save_draft
+    from train.samples import draft_vocab_from
+    from train.stage import StageError
+
+    torch.set_num_threads(1)
+    target, data = make_data(tmp_path)
+    run(target, data, tmp_path / "a", "--max-conversations", "3", "--max-steps", "2")
+    other = load_draft(tmp_path / "a" / "draft")
+    g = torch.Generator().manual_seed(5)
+    samples = [
+        {"input_ids": torch.randint(8, 512, (40,), generator=g), "loss_mask": torch.ones(40)}
+        for _ in range(8)
+    ]
+    other.set_vocab(*draft_vocab_from(samples, 512, 128)[:2])
+    assert not torch.equal(other.d2t, load_draft(tmp_path / "a" / "draft").d2t)
+    save_draft(other, tmp_path / "b")
+    out = tmp_path / "o"
+    revive = kill_training_at(3, monkeypatch)
+    first = ["--checkpoint-seconds", "0", "--max-conversations", "3"]
+    with pytest.raises(RuntimeError, match="killed"):
+        run(target, data, out, *first, "--init-draft", str(tmp_path / "a"))
+    revive()
+    with pytest.raises(StageError, match=r"train_state.pt: its draft vocabulary is not this run's"):
+        run(target, data, out, *first, "--init-draft", str(tmp_path / "b"))
+    more = tmp_path / "more.jsonl.xz"
+    answers.write(more, [{"id": "x0", "prompts": [[9, 10, 11]], "answers": [[12, 13, 2]]}])
+    with pytest.raises(StageError, match=r"train_state.pt: trained on other samples than this run's"):
+        run(target, data, out, *first, "--init-draft", str(tmp_path / "a"), "--data", str(more))
+    assert (
+        run(target, data, out, *first, "--init-draft", str(tmp_path / "a"))["phases"]["train"]["steps"] == 6
+    )

@@ -40,6 +40,8 @@ import copy
 import dataclasses
 import json
 import random
+import signal
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -76,7 +78,7 @@ from train.fastgen import Conversation, FastGenerator
 from train.fit import EAGLE31, _append_jsonl, _truncate_log, grow_vocab, init_from_draft, plot_curves
 from train.profiling import StepProfiler
 from train.profiling import describe as describe_profile
-from train.samples import draft_vocab_from
+from train.samples import draft_vocab_from, samples_fingerprint
 
 ANSWERS = "answers.jsonl.xz"
 STATE = "stage.json"
@@ -196,9 +198,11 @@ class Stage:
         a, path = self.args, self.out / ANSWERS
         here, dropped = answer_file.repair(path)  # written by an interrupted earlier run of this stage
         done = {r["id"] for r in here} | {r["id"] for r in self.earlier if "more" not in r}
-        todo = [r for r in self.data if r.get("split") != "heldout" and r["id"] not in done
-                and ("answers" not in r or r.get("more"))]  # fmt: skip
+        todo = [r for r in self.data if r.get("split") != "heldout" and ("answers" not in r or r.get("more"))]
         random.Random(a.seed).shuffle(todo)  # any prefix answered samples every length
+        # shuffled before the answered ones leave, so that a rerun goes on down the same order (filtered first,
+        # a rerun's shuffle of what was left answered other conversations than an uninterrupted run)
+        todo = [r for r in todo if r["id"] not in done]
         # an answered chat with later user turns continues after its answers: its first prompt is all of it
         cont = {r["id"]: r for r in todo if "answers" in r}
         if a.max_conversations is not None:
@@ -341,8 +345,6 @@ class Stage:
         draft = self.build_draft(samples).train()
         embed_w = self.model.model.embed_tokens.weight.detach()
         embed = lambda ids: F.embedding(ids, embed_w)  # noqa: E731
-        lm_rows = self.model.lm_head.weight.detach()[draft.draft_to_target_ids].float()
-        t2d = draft.t2d.to(dev)
         opt = torch.optim.AdamW(draft.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8,
                                 fused=dev.type == "cuda")  # fmt: skip
         sched = TimeSchedule(a.warmup)
@@ -351,6 +353,7 @@ class Stage:
         layers = draft.config.feature_layers
         step, epoch, pos, spent, tokens = 0, 0, 0, 0.0, 0
         tokens0 = 0
+        fingerprint = samples_fingerprint(samples)
         ck = self.out / TRAIN_STATE
         if ck.is_file():
             st = torch.load(ck, map_location=dev, weights_only=True)
@@ -364,11 +367,28 @@ class Stage:
                     f"{ck}: its draft has {st['draft']['d2t'].numel()} tokens, this run's "
                     f"{draft.config.draft_vocab_size}: resume with the first run's --grow-vocab"
                 )
+            # the vocabulary and the samples too: another --init-draft, or a fresh draft's vocabulary counted on
+            # other data, of the same size, trained against the first run's target rows without a word; other
+            # samples would put the saved epoch position in another batch list
+            if not torch.equal(st["draft"]["d2t"].cpu(), draft.d2t.cpu()):
+                raise StageError(
+                    f"{ck}: its draft vocabulary is not this run's: resume with the first run's --init-draft and "
+                    f"data, or delete {ck} to train from the start"
+                )
+            if st.get("samples", fingerprint) != fingerprint:  # (a state saved before it was recorded: none)
+                raise StageError(
+                    f"{ck}: trained on other samples than this run's ({len(samples)}): resume with the first "
+                    f"run's data, or delete {ck} to train from the start"
+                )
             draft.load_state_dict(st["draft"])
             opt.load_state_dict(st["optimizer"])
             step, epoch, pos, spent, tokens = st["step"], st["epoch"], st["pos"], st["seconds"], st["tokens"]
             tokens0 = tokens
             print(f"resumed training at step {step} ({spent:.0f} s done)", flush=True)
+        lm_rows = self.model.lm_head.weight.detach()[
+            draft.draft_to_target_ids
+        ].float()  # the loaded vocabulary's
+        t2d = draft.t2d.to(dev)
         budget = spent + max(
             0.0, self.left() - a.score_share * self.budget
         )  # this run's training seconds + earlier
@@ -389,50 +409,81 @@ class Stage:
 
         def save_ck() -> None:
             st = {"draft": draft.state_dict(), "optimizer": opt.state_dict(), "step": step, "epoch": epoch,
-                  "pos": pos, "seconds": spent + time.perf_counter() - t_run, "tokens": tokens}  # fmt: skip
+                  "pos": pos, "seconds": spent + time.perf_counter() - t_run, "tokens": tokens,
+                  "samples": fingerprint}  # fmt: skip
             with atomic_path(ck) as tmp:
                 torch.save(st, tmp)
 
-        while spent + time.perf_counter() - t_run < budget and (a.max_steps is None or step < a.max_steps):
-            if pos >= len(batches):
-                epoch, pos = epoch + 1, 0
-                batches = bucket_batches(lengths, buckets, a.seed, epoch)
-            T, ix = batches[pos]
-            b = target_batch(self.model, [samples[i] for i in ix], T, buckets.rows(T), layers, lm_rows, t2d)
-            with autocast:
-                ce, correct, counts = fn(b)
-                loss = weighted_loss(ce, counts, a.decay)
-            loss.backward()
-            gn = torch.nn.utils.clip_grad_norm_(draft.parameters(), a.grad_clip)
-            lr = a.lr * sched(step, (spent + time.perf_counter() - t_run) / max(budget, 1e-9))
-            for g in opt.param_groups:
-                g["lr"] = lr
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            prof.step()
-            n_tok = sum(min(T, lengths[i]) for i in ix)
-            tokens += n_tok
-            tok_log += n_tok
-            step, pos, n_log = step + 1, pos + 1, n_log + 1
-            sums += torch.stack((ce.detach().float(), correct, counts))
-            if step % a.log_every == 0 or step == a.max_steps:
-                dt = time.perf_counter() - t_log
-                c = sums[2].clamp(min=1)
-                loss_i, acc_i = (sums[0] / c).tolist(), (sums[1] / c).tolist()
-                rec = {"step": step, "epoch": epoch, "loss": sum(a.decay**i * v for i, v in enumerate(loss_i)),
-                       "loss_i": [round(v, 5) for v in loss_i], "acc_i": [round(v, 5) for v in acc_i],
-                       "count_i": sums[2].tolist(), "lr": lr, "grad_norm": float(gn), "tokens": tokens,
-                       "tokens_per_s": round(tok_log / dt, 1), "seconds": round(spent + time.perf_counter() - t_run, 1)}  # fmt: skip
-                _append_jsonl(log_path, rec)
-                print(
-                    f"step {step} loss {rec['loss']:.3f} acc0 {acc_i[0]:.3f} tok/s {rec['tokens_per_s']:.0f}",
-                    flush=True,
+        # a Ctrl-C (the device script's hang guard sends one) ends the step under way; then the state and the
+        # draft are saved before it goes on up: a rerun resumes from this step, not from the last
+        # --checkpoint-seconds save, and a machine gone cold still returns a draft (train_state.pt stays there)
+        stop: list[int] = []
+
+        def on_int(signum, frame) -> None:
+            if stop:  # a second one: at once
+                raise KeyboardInterrupt
+            stop.append(signum)
+            print("Ctrl-C: saving after this step (a second one stops at once)", flush=True)
+
+        old_handler = (
+            signal.signal(signal.SIGINT, on_int)
+            if threading.current_thread() is threading.main_thread()
+            else None
+        )
+        try:
+            while (spent + time.perf_counter() - t_run < budget and (a.max_steps is None or step < a.max_steps)
+                   and not stop):  # fmt: skip
+                if pos >= len(batches):
+                    epoch, pos = epoch + 1, 0
+                    batches = bucket_batches(lengths, buckets, a.seed, epoch)
+                T, ix = batches[pos]
+                b = target_batch(
+                    self.model, [samples[i] for i in ix], T, buckets.rows(T), layers, lm_rows, t2d
                 )
-                sums.zero_()
-                n_log, tok_log, t_log = 0, 0, time.perf_counter()
-            if time.perf_counter() - t_ck > a.checkpoint_seconds:
-                save_ck()
-                t_ck = time.perf_counter()
+                with autocast:
+                    ce, correct, counts = fn(b)
+                    loss = weighted_loss(ce, counts, a.decay)
+                loss.backward()
+                gn = torch.nn.utils.clip_grad_norm_(draft.parameters(), a.grad_clip)
+                lr = a.lr * sched(step, (spent + time.perf_counter() - t_run) / max(budget, 1e-9))
+                for g in opt.param_groups:
+                    g["lr"] = lr
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                prof.step()
+                n_tok = sum(min(T, lengths[i]) for i in ix)
+                tokens += n_tok
+                tok_log += n_tok
+                step, pos, n_log = step + 1, pos + 1, n_log + 1
+                sums += torch.stack((ce.detach().float(), correct, counts))
+                if step % a.log_every == 0 or step == a.max_steps:
+                    dt = time.perf_counter() - t_log
+                    c = sums[2].clamp(min=1)
+                    loss_i, acc_i = (sums[0] / c).tolist(), (sums[1] / c).tolist()
+                    rec = {"step": step, "epoch": epoch, "loss": sum(a.decay**i * v for i, v in enumerate(loss_i)),
+                           "loss_i": [round(v, 5) for v in loss_i], "acc_i": [round(v, 5) for v in acc_i],
+                           "count_i": sums[2].tolist(), "lr": lr, "grad_norm": float(gn), "tokens": tokens,
+                           "tokens_per_s": round(tok_log / dt, 1), "seconds": round(spent + time.perf_counter() - t_run, 1)}  # fmt: skip
+                    _append_jsonl(log_path, rec)
+                    print(
+                        f"step {step} loss {rec['loss']:.3f} acc0 {acc_i[0]:.3f} tok/s {rec['tokens_per_s']:.0f}",
+                        flush=True,
+                    )
+                    sums.zero_()
+                    n_log, tok_log, t_log = 0, 0, time.perf_counter()
+                if time.perf_counter() - t_ck > a.checkpoint_seconds:
+                    save_ck()
+                    t_ck = time.perf_counter()
+        finally:
+            if old_handler is not None:
+                signal.signal(signal.SIGINT, old_handler)
+        if stop:
+            save_ck()
+            partial = {"stage": str(self.out), "steps": step, "tokens": tokens, "interrupted": True}
+            save_draft(copy.deepcopy(draft).to(torch.bfloat16), self.out / "draft",
+                       {"training.json": json.dumps(partial, indent=1)})  # fmt: skip
+            print(f"saved the training state and the draft at step {step}", flush=True)
+            raise KeyboardInterrupt
         seconds = spent + time.perf_counter() - t_run
         ran = time.perf_counter() - t_run
         profiled = prof.summary()
