@@ -222,14 +222,15 @@ def test_stage_data_folds_in_a_stages_answers(tmp_path):
     answers.append(
         stage_answers, [{"id": f"s{i}", "prompts": [[1, 2]], "answers": [[4, 2]]} for i in range(9)]
     )
-    no_held = tmp_path / "no_held.jsonl.xz"  # an output of --heldout 0: refused too (the user deletes it)
-    stage_data(["--out", str(no_held), "--chats", str(chats), "--heldout", "0"])
-    for kept in (notes, chat_xz, stage_answers, no_held):
+    for kept in (notes, chat_xz, stage_answers):
         before = kept.read_bytes()
         with pytest.raises(UserError, match=f"{kept}: already exists and is not id records"):
             stage_data(["--out", str(kept), "--chats", str(chats)])
         assert kept.read_bytes() == before
     stage_data(["--out", str(out), "--chats", str(chats)])  # its own output: replaced (a rerun)
+    no_held = tmp_path / "no_held.jsonl.xz"  # one with no held-out record (its unanswered ones tell it) too
+    stage_data(["--out", str(no_held), "--chats", str(chats), "--heldout", "0"])
+    stage_data(["--out", str(no_held), "--chats", str(chats), "--heldout", "0"])
     # --out names the xz file it writes: a .jsonl name (train.stage read it as plain JSONL) is refused
     with pytest.raises(UserError, match=f"{tmp_path / 'data.jsonl'}: --out must end in .xz"):
         stage_data(["--out", str(tmp_path / "data.jsonl"), "--chats", str(chats)])

@@ -150,22 +150,21 @@ def read_chats(path: str) -> list[dict[str, Any]]:
 
 
 def is_id_records(path: Path) -> bool:
-    """Whether `path` holds id records as this command writes them: xz, with held-out records ({"id",
-    "split": "heldout", "prompts"}). A stage's answers file has the same {"id", "prompts"[, "answers"]}
-    records but never a held-out one, and a chat file of --chats or --answered has no `prompts`: neither is
-    replaced. Nor is an output of --heldout 0 (none either): refusing costs a deletion, replacing a stage's
-    answers their GPU hours."""
+    """Whether `path` holds id records as this command writes them: xz, with a held-out record ({"id",
+    "split": "heldout", "prompts"}) or a prompt record ({"id", "prompts"} with no "answers": a training
+    conversation nobody answered yet). A stage's answers file has {"id", "prompts", "answers"} records only,
+    and a chat file of --chats or --answered has no `prompts`: neither is replaced. (An output of only
+    answered records and no held-out one is refused too: refusing costs a deletion, replacing a stage's
+    answers their GPU hours.)"""
     if not answer_file.is_xz(path):
         return False
     try:
         with lzma.open(path, "rt", encoding="utf-8") as f:
-            for line in f:  # held-out records come in file order among the others: one is met early
+            for line in f:  # the answered records come first, then the others
                 rec = json.loads(line)
-                if (
-                    isinstance(rec, dict)
-                    and rec.get("split") == "heldout"
-                    and isinstance(rec.get("prompts"), list)
-                ):
+                if not isinstance(rec, dict) or not isinstance(rec.get("prompts"), list):
+                    return False
+                if rec.get("split") == "heldout" or "answers" not in rec:
                     return True
     except (lzma.LZMAError, EOFError, ValueError, OSError):
         return False
@@ -177,8 +176,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--out", required=True, type=output_file,
                     help="the id records (xz-compressed: a name ending in .xz); a file there is replaced "
-                         "only when it is this command's, with held-out records (after --heldout 0: delete "
-                         "it)")  # fmt: skip
+                         "only when it is this command's (held-out or unanswered records: a stage's answers "
+                         "file is not)")  # fmt: skip
     ap.add_argument("--chats", action="append", default=None,
                     help="chat files to take user turns from (default: ShareGPT from its wheel)")  # fmt: skip
     ap.add_argument("--answered", action="append", default=[], help="chats whose answers the target wrote")
