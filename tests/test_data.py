@@ -190,8 +190,19 @@ def test_sharegpt_array_where_a_record_should_start_is_an_error(tmp_path, at):
     text = text.replace("},\n {", "}[\n {", 1) if at == "comma" else "[[" + text[1:]
     path = _write(tmp_path / "bad.json", text)
     n = 1 if at == "comma" else 0
+    cut = _write(tmp_path / "cut.json", text[: text.rindex("}")])  # the nested array cut by the end too
+    with pytest.raises(ValueError, match=rf"cut\.json: record {n} at byte \d+ is an array, not an object"):
+        data.load_sharegpt(cut)
     with pytest.raises(ValueError, match=rf"bad\.json: record {n} at byte \d+ is an array, not an object"):
         data.load_sharegpt(path)
+
+
+def test_sharegpt_a_whole_array_record_is_skipped_as_malformed(tmp_path):
+    """A record that is a closed array, in a closed file, is malformed like any non-object: skipped, counted."""
+    rec = {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}
+    path = _write(tmp_path / "ok.json", json.dumps([rec, [rec], rec]))
+    conversations, report = data.load_sharegpt(path)
+    assert (len(conversations), report.truncated, report.skipped) == (2, False, {"not-an-object": 1})
 
 
 def test_sharegpt_cut_inside_a_character_or_a_literal_is_truncation(tmp_path):

@@ -192,40 +192,51 @@ def _scan_json_array(text: str, where: str) -> tuple[list[Any], int | None]:
     A decode failure is the file's end cutting the last element short (truncation) when the decoder ran out
     of text: an unterminated string runs to the end, or at most a token's start follows the failure.
     Otherwise the element is corrupt (the last one too) and we raise, naming the element and byte; so is
-    text after the closing `]`, and an array where a record should start. (Whether the text ends with `]` says nothing: a cut can fall just after any
-    `]`, a list's or one inside a string.)
+    text after the closing `]`, and an array element after which the file ends unclosed (a stray `[`).
+    (Whether the text ends with `]` says nothing: a cut can fall just after any `]`, a list's or one inside
+    a string.)
     """
     start = _SEPARATORS.match(text, 0).end()
     if not text.startswith("[", start):
         raise UserError(f"{where}: expected a JSON array ('[') at the start of the file")
     decoder = json.JSONDecoder()
     elements: list[Any] = []
-    i = start + 1
+    i = last_start = start + 1  # last_start: where the last element began
     while True:
         i = _SEPARATORS.match(text, i).end()
         if i >= len(text):  # ran out between elements: truncated
+            if elements and isinstance(elements[-1], list):  # unless a stray `[` took the array's `]`
+                raise _stray_bracket(text, where, len(elements) - 1, last_start)
             return elements, i
-        if text[i] in "[]":  # (the byte only here: counted at every element the scan would be quadratic)
-            byte = len(text[:i].encode("utf-8"))
-            if text[i] == "[":  # a stray `[` nests the records after it, and the outer array never closes
-                raise UserError(
-                    f"{where}: record {len(elements)} at byte {byte} is an array, not an object: a stray '[' "
-                    "hides where the records end"
-                )
+        if text[i] == "]":
             if text[i + 1 :].strip():  # a `]` where a record should start: the records after it were dropped
+                byte = len(text[:i].encode("utf-8"))  # (only here: counted at every element, quadratic)
                 after = f"after record {len(elements) - 1}" if elements else "before any record"
                 raise UserError(f"{where}: text after the array's closing ']' (byte {byte}, {after})")
             return elements, None
+        last_start = i
         try:
             element, i = decoder.raw_decode(text, i)
         except json.JSONDecodeError as exc:
             if _cut_short(text, exc):
-                return elements, i
+                if text[last_start] == "[":  # records are objects: an array cut by the end is a stray `[`
+                    raise _stray_bracket(text, where, len(elements), last_start) from None
+                return elements, last_start
             byte = len(text[: exc.pos].encode("utf-8"))
             raise UserError(
                 f"{where}: invalid JSON in record {len(elements)} at byte {byte}: {exc.msg}"
             ) from exc
         elements.append(element)
+
+
+def _stray_bracket(text: str, where: str, n: int, at: int) -> UserError:
+    """The error for an array element (record n, starting at char `at`) that left the file without its
+    closing `]`: a stray `[` nested the records after it (a whole array element is skipped as malformed)."""
+    byte = len(text[:at].encode("utf-8"))
+    return UserError(
+        f"{where}: record {n} at byte {byte} is an array, not an object, and the file's array never closes: a "
+        "stray '[' nested the records after it"
+    )
 
 
 def _cut_short(text: str, exc: json.JSONDecodeError) -> bool:
