@@ -255,6 +255,10 @@ def test_online_equals_dumps(tmp_path):
     for got, i in zip(online.fetch([4, 0, 2]), [4, 0, 2]):
         for k in dump.FIELDS:
             assert torch.equal(got[k], ds[i][k]), (i, k)
+    fp32 = OnlineDataset(
+        model, samples, LAYERS, store_dtype=torch.float32
+    )  # (its identity raised StopIteration)
+    assert fp32.fetch([0])[0]["features"].dtype == torch.float32 and fp32.identity["dtype"] == "torch.float32"
 
 
 def test_vocab_saved_and_validated(tmp_path):

@@ -489,6 +489,8 @@ def test_weight_only_refuses_other_weight_dtypes_and_keeps_its_own():
     bf16_scales = Float8WeightOnlyLinear(64, 32, backend="dequant")  # stored so by some checkpoints: upcast
     bf16_scales.load_state_dict({**sd, "weight_scale": sd["weight_scale"].bfloat16()})
     assert bf16_scales.weight_scale.dtype == torch.float32
+    bf16_scales.load_state_dict({**sd, "weight_scale": sd["weight_scale"].bfloat16()}, assign=True)
+    assert bf16_scales.weight_scale.dtype == torch.float32  # (assign kept the bf16 tensor)
     x = torch.randn(3, 64).bfloat16()
     before = wo(x)
     wo.to(torch.bfloat16)

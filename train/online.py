@@ -59,7 +59,9 @@ class OnlineDataset:
         # the target's tables in fp32 (after rounding to the forward's dtype), for fit.py
         self.embed_weight = model.model.embed_tokens.weight.detach().float()
         self.lm_head_weight = model.lm_head.weight.detach().float()
-        stored = next(k for k, v in STORE_DTYPES.items() if v == store_dtype)
+        stored = next(
+            (k for k, v in STORE_DTYPES.items() if v == store_dtype), str(store_dtype)
+        )  # (fp32: none)
         self.identity = data_identity(
             [samples_fingerprint(self.samples)], target or {}, self.feature_layers, stored
         )
