@@ -92,8 +92,9 @@ def load_target_tables(
 
 def load_target_tokenizer(path: str | os.PathLike | None = None):
     """The target's tokenizer with its chat template: the HF directory's tokenizer files or the GGUF's
-    metadata (maverick/tokenizer.py; cached per path, never the hub)."""
-    return load_tokenizer(_resolve(path))
+    metadata (maverick/tokenizer.py; cached per path, never the hub). A path that is not there is named as a
+    tokenizer source (a --tokenizer was reported as a missing target)."""
+    return load_tokenizer(default_target_path() if path is None else Path(path).expanduser())
 
 
 def load_hf_reference(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32):

@@ -63,7 +63,8 @@ def _load_tokenizer_cached(path: str):
     if p.is_dir() and not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise FileNotFoundError(
             f"the HF directory {p} has no tokenizer files (tokenizer.json / tokenizer_config.json); "
-            "save them with tokenizer.save_pretrained there, or name a tokenizer separately"
+            "save them there with tokenizer.save_pretrained (for a target directory without them, name a "
+            "tokenizer source with --tokenizer)"
         )
     # a file that is not GGUF: our loader's error, which says what is wrong with it (before transformers')
     eos_id = None if p.is_dir() else gguf_eos_id(p)

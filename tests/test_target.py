@@ -260,3 +260,11 @@ def test_the_hf_copy_is_keyed_by_its_own_format(monkeypatch, tmp_path):
     with pytest.raises(Stop):
         target._hf_from_gguf(tmp_path / "x.gguf", {})
     assert seen == [target.HF_FORMAT] and target.HF_FORMAT != 99
+
+
+def test_a_missing_tokenizer_source_is_named_as_one(tmp_path):
+    """`--tokenizer /nope/tok` was reported as "target checkpoint not found"."""
+    from maverick.target import load_target_tokenizer
+
+    with pytest.raises(FileNotFoundError, match=r"tokenizer source not found: .*nope.tok"):
+        load_target_tokenizer(tmp_path / "nope" / "tok")
