@@ -191,3 +191,17 @@ def test_make_bench_runs_the_quick_preset():
     assert parse_in_process("eval.bench", [*args, "--n", "5"]).n == 5
     full = parse_in_process("eval.bench", [])
     assert full.preset == "full" and full.n == 10 and set(methods) < set(full.methods.split(","))
+
+
+# every command that takes a target, with its other required arguments
+TARGET_COMMANDS = [("train.dump", ["--out", "d"]), ("train.fit", ["--out", "o", "--online"]),
+                   ("train.stage", ["--out", "o", "--minutes", "1", "--data", "d.jsonl.xz"]), ("train.regenerate", ["--out", "o.jsonl"]),
+                   ("eval.bench", []), ("eval.acceptance", []), ("eval.quality", []), ("eval.bench_engine", []),
+                   ("eagle3.generate", ["--prompt", "hi"]), ("maverick.generate", ["--prompt", "hi"])]  # fmt: skip
+
+
+@pytest.mark.parametrize("module,required", TARGET_COMMANDS, ids=[m for m, _ in TARGET_COMMANDS])
+def test_every_target_option_takes_the_gguf_alias(module, required):
+    """The README: "Every `--target` (alias `--gguf`)"; train.dump, train.fit and train.stage had no alias."""
+    parsed = parse_in_process(module, [*required, "--gguf", "x.gguf"])
+    assert isinstance(parsed, argparse.Namespace) and "x.gguf" in vars(parsed).values()

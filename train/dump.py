@@ -660,7 +660,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out", required=True, type=output_dir, help="dump directory (rerun the same command to resume)"
     )
-    p.add_argument("--target", default=None, help=TARGET_HELP)
+    p.add_argument("--target", "--gguf", dest="target", default=None, help=TARGET_HELP)
     p.add_argument("--target-dtype", default="bf16", choices=sorted(TARGET_DTYPES),
                    help="dtype of the target forward (bf16: 3-4x faster on AMX CPUs)")  # fmt: skip
     p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",

@@ -1087,7 +1087,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out", required=True, type=output_dir, help="output directory (log, checkpoints, draft, curve.png)"
     )
-    p.add_argument("--target", default=None, help="target: a llama .gguf file or an HF checkpoint directory "
+    p.add_argument("--target", "--gguf", dest="target", default=None, help="target: a llama .gguf file or an HF checkpoint directory "
                    "(default: the one the dumps name; online: SmolLM2-135M-Instruct GGUF)")  # fmt: skip
     p.add_argument("--steps", type=positive_int, default=1000)
     p.add_argument("--batch-size", type=positive_int, default=4, help="samples per process per micro-batch")

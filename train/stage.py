@@ -628,7 +628,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", required=True, type=output_dir)
     p.add_argument("--init-draft", default=None, help="a draft directory or an earlier stage's --out")
-    p.add_argument("--target", default=None, help=".gguf or HF directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--target",
+        "--gguf",
+        dest="target",
+        default=None,
+        help=".gguf or HF directory (default: SmolLM2-135M-Instruct)",
+    )
     p.add_argument(
         "--data", action="append", required=True, help="id records from python -m train.stage_data"
     )
