@@ -626,3 +626,20 @@ def test_gpu_run_matches_cpu(tiny, tmp_path):
     assert records(tmp_path / "gpu")[0]["loss"] == pytest.approx(
         records(tmp_path / "cpu")[0]["loss"], rel=1e-4
     )
+
+
+def test_a_warmup_past_the_steps_is_said(tiny, tmp_path, caplog):
+    """The README's 20-step try ran inside the default 50-step warmup (the learning rate at 4e-5 of 1e-4:
+    accuracy 0 every step) without a word."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="train.fit"):
+        run(tiny, tmp_path / "a", steps=2, warmup=5)
+    assert (
+        "--warmup 5 >= --steps 2: the learning rate never leaves its warmup (it reaches 0.0012 of --lr 0.003)"
+        in caplog.text
+    )
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="train.fit"):
+        run(tiny, tmp_path / "b", steps=3, warmup=2)
+    assert "warmup" not in caplog.text
