@@ -79,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     add_sampling_options(ap)
     shape = ap.add_mutually_exclusive_group()
-    shape.add_argument("--k", type=positive_int, default=None, help="a fixed draft length (default: tuned)")
+    shape.add_argument("--k", type=positive_int, default=None,
+                       help="a fixed draft length (default: tuned from measured times, so the draws of a sampled "
+                       "run, and its text, differ from run to run whatever --seed; a fixed --k repeats them)")  # fmt: skip
     shape.add_argument("--tree", type=tree_spec, action="append", default=None, metavar="D,K,T",
                        help="draft trees: depth, children per node, draft nodes verified per cycle (3,4,12); "
                        "repeat it to tune the tree, cycle by cycle")  # fmt: skip
