@@ -33,7 +33,14 @@ from eagle3.draft import DEFAULT_DRAFT, check_draft_fits, load_draft
 from eagle3.lookup import LookupConfig
 from eagle3.spec import SpecDecoder, TreeConfig
 from eagle3.tuner import DraftLengthTuner, FixedK
-from maverick.cli import UserError, add_threads_option, positive_int, positive_int_list, run_cli
+from maverick.cli import (
+    ArgumentParser,
+    UserError,
+    add_threads_option,
+    positive_int,
+    positive_int_list,
+    run_cli,
+)
 from maverick.compiled import for_engine
 from maverick.generate import Decoder, Generation, TextStream, check_lengths
 from maverick.parallel import init_from_env, load_model
@@ -65,8 +72,8 @@ def tree_specs(text: str) -> list[TreeConfig]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m eagle3.generate", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = ArgumentParser(prog="python -m eagle3.generate", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     ap.add_argument("--target", "--gguf", dest="target", default=None,

@@ -28,7 +28,6 @@ of an HF directory), every rank runs every forward and scores every draft, and r
 
 from __future__ import annotations
 
-import argparse
 import functools
 import hashlib
 import json
@@ -47,7 +46,7 @@ from tqdm import tqdm
 from eagle3.draft import DEFAULT_DRAFT, check_draft_fits, load_draft
 from eval.prompts import BENCHMARKS, answer_text, chat_ids, check_prompts_option, load_benchmark
 from maverick.aot import cpu_name
-from maverick.cli import UserError, add_threads_option, output_file, positive_int, run_cli
+from maverick.cli import ArgumentParser, UserError, add_threads_option, output_file, positive_int, run_cli
 from maverick.files import atomic_write, fingerprint
 from maverick.parallel import init_from_env, load_model, rank0_prints, rank0_says
 from maverick.sampling import SamplingParams, add_sampling_options
@@ -72,7 +71,7 @@ from train.acceptance import (
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog="python -m eval.acceptance",
         description="Teacher-forced chain acceptance of EAGLE-3 drafts on a benchmark's prompts (first turns, "
         "or --turns 2): greedy, or sampled with --temperature > 0 (the target's answers drawn with the same rule).",

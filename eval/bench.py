@@ -85,6 +85,7 @@ from eval.report import BOLD_RED, RESET, RunRecord, print_table, summarise, writ
 from eval.summary import COMPILED_SUFFIX, FP8_SUFFIX, Q4_COMPILED_SUFFIX, Q4_SUFFIX, variant
 from maverick.cli import (
     INTERRUPTED_STATUS,
+    ArgumentParser,
     UserError,
     add_threads_option,
     nonnegative_int,
@@ -427,7 +428,9 @@ def fit_prompt(ids: list[int], args, where: str, cut: list[str]) -> list[int]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(
+        prog="python -m eval.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--bench", choices=BENCHMARKS, default="mtbench")
     ap.add_argument("--prompts", default=None, help="JSONL of prompts for --bench jsonl")
     ap.add_argument("--n", type=positive_int, default=10, help="number of prompts (default 10)")

@@ -24,7 +24,15 @@ from eagle3.spec import SpecDecoder
 from eagle3.tuner import DraftLengthTuner
 from eval.bench import DEFAULT_DRAFT
 from eval.prompts import BENCHMARKS, load_benchmark
-from maverick.cli import UserError, add_threads_option, output_dir, positive_int, positive_int_list, run_cli
+from maverick.cli import (
+    ArgumentParser,
+    UserError,
+    add_threads_option,
+    output_dir,
+    positive_int,
+    positive_int_list,
+    run_cli,
+)
 from maverick.compiled import CompiledTarget
 from maverick.files import atomic_write
 from maverick.generate import Decoder
@@ -145,7 +153,11 @@ def verify_costs(
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(
+        prog="python -m eval.bench_engine",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--bench", choices=[b for b in BENCHMARKS if b != "jsonl"], default="mtbench")
     ap.add_argument("--n", type=positive_int, default=3, help="prompts (first turns)")
     ap.add_argument("--max-new-tokens", type=positive_int, default=128)

@@ -16,7 +16,6 @@ Writes JSON (atomically) and prints a table, then one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import statistics
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 from maverick.cli import (
+    ArgumentParser,
     output_file,
     positive_int,
     run_cli,
@@ -132,7 +132,7 @@ def check_cpu() -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m eval.bench_fp8_gemm", description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=positive_int, nargs="+", default=[1, 8, 64, 512, 4096])
     p.add_argument("--iters", type=positive_int, default=50)
     p.add_argument("--out", type=output_file, default=Path("eval/results/bench_fp8_gemm.json"))

@@ -15,7 +15,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from maverick.cli import UserError, jsonl_objects, output_file, positive_int, read_utf8, run_cli
+from maverick.cli import (
+    ArgumentParser,
+    UserError,
+    jsonl_objects,
+    output_file,
+    positive_int,
+    read_utf8,
+    run_cli,
+)
 from maverick.files import atomic_path
 from train.fit import LOG_FILE
 
@@ -111,7 +119,11 @@ def plot(logs: dict[str, list[dict]], path: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(
+        prog="python -m eval.compare_runs",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("runs", nargs="+", help="train.fit output directories (or their train_log.jsonl)")
     ap.add_argument("--window", type=positive_int, default=10)
     ap.add_argument("--out", type=output_file, default=None, help="PNG of the curves")

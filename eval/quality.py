@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from eval.acceptance import first_turns, target_answers
 from eval.prompts import BENCHMARKS, check_prompts_option, load_benchmark
-from maverick.cli import UserError, add_threads_option, output_file, positive_int, run_cli
+from maverick.cli import ArgumentParser, UserError, add_threads_option, output_file, positive_int, run_cli
 from maverick.files import atomic_write
 from maverick.model import Llama4
 from maverick.target import TARGET_HELP, default_target_path, load_target, load_target_tokenizer
@@ -103,7 +103,7 @@ def summarize(per_position: dict[str, Tensor]) -> dict[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog="python -m eval.quality",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -9,13 +9,20 @@ Missing or unreadable files and an output path taken by a file (`FileNotFoundErr
 `PermissionError`, `IsADirectoryError`, `NotADirectoryError`) count as the user's too: their message names
 the path. Everything else is a bug and propagates with its traceback.
 
+A mistake on the command line itself (an unknown option, a missing required one, a value argparse refuses) is
+one line as well: every entry point's parser is this module's `ArgumentParser`, whose error is
+`error: <message> (python -m <module> --help for usage)`, exit status 2 (plain argparse prints its whole
+usage block first); `--help` is argparse's. Its `prog` is the command as typed (`python -m train.fit`).
+
 Ctrl-C is one line too (exit status 130). `--debug` (anywhere on the command line; it is removed before
 `main` parses) or the environment variable MAVERICK_DEBUG=1 shows the traceback of a user error or an
 interrupt as well.
 
-A new CLI needs two lines:
+A new CLI needs three lines:
 
-    from maverick.cli import UserError, run_cli
+    from maverick.cli import ArgumentParser, UserError, run_cli
+    ...
+        ap = ArgumentParser(prog="python -m package.module", description=__doc__)
     ...
     if __name__ == "__main__":
         run_cli(main)
@@ -78,6 +85,21 @@ def run_cli(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None)
         print("interrupted (the resumable commands continue where they were when run again)", file=sys.stderr)
         sys.exit(INTERRUPTED_STATUS)
     sys.exit(result if isinstance(result, int) and not isinstance(result, bool) else 0)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An entry point's parser: a command-line mistake is one line, `error: <message> (<prog> --help for
+    usage)` on stderr and exit status 2 (SystemExit(2), as argparse's), without argparse's usage block.
+    `prog` is required and is the command as the user types it: "python -m train.fit"."""
+
+    def __init__(self, *, prog: str, **kwargs: Any):
+        super().__init__(prog=prog, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        print(
+            f"error: {' '.join(message.split())} ({self.prog} --help for usage)", file=sys.stderr, flush=True
+        )
+        sys.exit(USER_ERROR_STATUS)
 
 
 def user_message(exc: BaseException) -> str:

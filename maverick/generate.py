@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from maverick.cli import UserError, positive_int, run_cli
+from maverick.cli import ArgumentParser, UserError, positive_int, run_cli
 from maverick.compiled import for_engine
 from maverick.kv_cache import KVCache
 from maverick.model import Llama4
@@ -228,7 +228,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     from maverick.target import TARGET_HELP, load_target_tokenizer
     from maverick.tokenizer import encode_chat
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(
+        prog="python -m maverick.generate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--target", "--gguf", "--hf", dest="target", default=None,
                     help=TARGET_HELP + "; under torchrun each rank reads only its slices of an HF directory")  # fmt: skip

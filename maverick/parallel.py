@@ -59,7 +59,6 @@ SpecDecoder wraps a DraftLengthTuner in it when its target is sharded; FixedK an
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import contextlib
 import json
@@ -76,6 +75,7 @@ from torch import Tensor, nn
 
 from maverick.checkpoint import CheckpointError, _safetensors_files, _text_key
 from maverick.cli import (
+    ArgumentParser,
     UserError,
     positive_int,
     run_cli,
@@ -537,7 +537,10 @@ def params_per_rank_formula(cfg: Llama4Config, world: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="Memory per rank of a tensor + expert parallel Llama 4.")
+    ap = ArgumentParser(
+        prog="python -m maverick.parallel",
+        description="Memory per rank of a tensor + expert parallel Llama 4.",
+    )
     ap.add_argument("--report", action="store_true", help="print the per-rank memory table (the default)")
     ap.add_argument("--configs", default="maverick-400b,scout-109b")
     ap.add_argument("--world", type=positive_int, default=8)

@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from eval.bench_engine import alternating, measure, prompt_ids, spec_decoder, summarize  # noqa: E402
+from maverick.cli import ArgumentParser  # noqa: E402
 from train.profiling import describe as describe_profile  # noqa: E402
 
 GL = ROOT / ".gl"
@@ -62,7 +63,11 @@ def prepare(n: int, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(
+        prog="python scripts/gpu_decode.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--prepare", action="store_true", help="write the inputs (here, not on the device)")
     ap.add_argument("--gguf", default=str(GL / "smollm2.gguf"))
     ap.add_argument("--prompts", default=str(GL / "gpu_prompts.json"))

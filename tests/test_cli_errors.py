@@ -394,6 +394,73 @@ def test_entry_points_are_the_modules_with_a_main():
 
 
 @pytest.mark.parametrize("module", ENTRY_POINTS)
+def test_a_command_line_mistake_is_one_line_naming_the_command(module, capsys):
+    """An unknown option (or a missing required one, which argparse reports first) is one line on stderr,
+    exit status 2, naming the command as typed; argparse alone printed its usage block (8-29 lines) first,
+    under the script's file name for some commands. --help is still argparse's usage, under that name."""
+    import importlib
+
+    main = importlib.import_module(module).main
+    code, err = exit_status(main, ["--no-such-option"], capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    assert err.endswith(f" (python -m {module} --help for usage)\n"), err
+    assert "usage:" not in err
+    with pytest.raises(SystemExit) as e:
+        run_cli(main, ["--help"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 0 and err == "" and out.startswith(f"usage: python -m {module} ")
+    assert "options:" in out and "--help" in out  # the whole help, as argparse writes it
+
+
+@pytest.mark.parametrize(
+    "module, argv, says",
+    [
+        ("maverick.generate", [], "the following arguments are required: --prompt"),
+        ("eagle3.generate", ["--prompt", "hi", "--k", "0"], "argument --k: must be >= 1, got 0"),
+        ("eagle3.generate", ["--prompt", "hi", "--k", "2", "--tree", "3,4,12"],
+         "argument --tree: not allowed with argument --k"),
+        ("train.fit", ["--out", "o"], "one of the arguments --dumps --online is required"),
+        ("train.regenerate", ["--out", "x.jsonl", "--max-samples"], "argument --max-samples: expected one argument"),
+        ("eval.bench", ["--n", "3", "extra"], "unrecognized arguments: extra"),
+    ],
+)  # fmt: skip
+def test_argparse_errors_are_exactly_one_line(module, argv, says, capsys):
+    import importlib
+
+    code, err = exit_status(importlib.import_module(module).main, argv, capsys)
+    assert code == 2 and err == f"error: {says} (python -m {module} --help for usage)\n"
+
+
+def test_an_invalid_choice_is_one_line(capsys):
+    from maverick import generate
+
+    code, err = exit_status(generate.main, ["--prompt", "hi", "--engine", "fast"], capsys)
+    choices = r"\(choose from '?eager'?, '?compiled'?\)"  # quoted or not by the Python version
+    usage = r"\(python -m maverick\.generate --help for usage\)"
+    assert code == 2 and re.fullmatch(
+        rf"error: argument --engine: invalid choice: 'fast' {choices} {usage}\n", err
+    )
+
+
+@pytest.mark.parametrize(
+    "command, prog",
+    [
+        (["-m", "eagle3.generate", "--prompt", "hi", "--k", "0"], "python -m eagle3.generate"),
+        (["scripts/gpu_decode.py", "--n", "x"], "python scripts/gpu_decode.py"),
+    ],
+)
+def test_a_command_line_mistake_is_one_line_in_a_real_process(command, prog):
+    """The whole command as a user runs it: one line on stderr, nothing on stdout, exit status 2."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, *command], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: argument "), r.stderr
+    assert r.stderr.endswith(f" ({prog} --help for usage)\n"), r.stderr
+
+
+@pytest.mark.parametrize("module", ENTRY_POINTS)
 def test_no_numeric_option_takes_any_number(module, monkeypatch):
     """Every int or float option has a checked type (maverick.cli), so an out-of-range value is one argparse
     error before any model loads, not a traceback from deep inside."""

@@ -21,6 +21,7 @@ import time
 
 from eagle3.datastore import MAX_SIZE, Datastore, is_datastore
 from maverick.cli import (
+    ArgumentParser,
     UserError,
     heldout_fraction,
     nonnegative_int,
@@ -62,7 +63,11 @@ def assistant_runs(tokenizer, conversations, max_length: int = 4096) -> list[lis
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(
+        prog="python -m train.datastore",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--data", required=True, help="JSON/JSONL chat files, comma-separated")
     p.add_argument("--out", required=True, type=output_file, help="the .safetensors file to write")
     p.add_argument("--tokenizer", default=None, help="GGUF file with the tokenizer (default: SmolLM2's)")

@@ -57,6 +57,7 @@ from torch import Tensor
 
 from eagle3.draft import check_feature_layers
 from maverick.cli import (
+    ArgumentParser,
     UserError,
     add_threads_option,
     device,
@@ -652,7 +653,7 @@ class DumpDataset:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m train.dump",
         description="Run the target over chat data and store EAGLE-3 training inputs (features, final "
         "hidden states, argmax) as resumable safetensors shards, plus the draft vocabulary.",

@@ -64,6 +64,7 @@ from torch import Tensor, nn
 from eagle3.draft import NORM_VARIANTS, DraftConfig, Eagle3Draft, load_draft, read_safetensors, save_draft
 from eagle3.vocab import grow_draft_vocab
 from maverick.cli import (
+    ArgumentParser,
     UserError,
     add_threads_option,
     check_output_dir,
@@ -1076,7 +1077,7 @@ def plot_curves(records: Sequence[dict[str, Any]], path: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m train.fit",
         description="Train an EAGLE-3 draft head with the training-time test on hidden-state dumps "
         "(python -m train.dump) or online from the target. Multi-process: accelerate launch / torchrun.",

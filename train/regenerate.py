@@ -31,6 +31,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from maverick.cli import (
+    ArgumentParser,
     UserError,
     add_threads_option,
     device,
@@ -194,7 +195,11 @@ def regenerate(
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(
+        prog="python -m train.regenerate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--out", required=True, type=output_file)
     ap.add_argument("--data", default=None, help="JSON/JSONL chats (default: ShareGPT from its wheel)")
     ap.add_argument("--max-samples", type=positive_int, default=2000)

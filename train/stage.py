@@ -55,6 +55,7 @@ from eagle3.draft import NORM_VARIANTS, DraftConfig, Eagle3Draft, load_draft, sa
 from eagle3.draft import draft_dir as find_draft_dir
 from eagle3.vocab import count_tokens
 from maverick.cli import (
+    ArgumentParser,
     UserError,
     add_threads_option,
     device,
@@ -621,8 +622,8 @@ def _continued(rec: dict) -> list[list[int]]:
 
 def build_parser() -> argparse.ArgumentParser:
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(prog="python -m train.stage", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = ArgumentParser(prog="python -m train.stage", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument(
         "--minutes", type=positive_float, required=True, help="wall-clock budget of the whole stage"
     )

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from maverick.cli import (
+    ArgumentParser,
     UserError,
     nonnegative_int,
     output_file,
@@ -172,8 +173,8 @@ def is_id_records(path: Path) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(prog="python -m train.stage_data", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = ArgumentParser(prog="python -m train.stage_data", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--out", required=True, type=output_file,
                     help="the id records (xz-compressed: a name ending in .xz); a file there is replaced "
                          "only when it is this command's (held-out or unanswered records: a stage's answers "
