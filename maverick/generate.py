@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from maverick.cli import ArgumentParser, UserError, positive_int, run_cli
+from maverick.cli import ArgumentParser, UserError, add_threads_option, positive_int, run_cli
 from maverick.compiled import for_engine
 from maverick.kv_cache import KVCache
 from maverick.model import Llama4
@@ -247,6 +247,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="compiled: whole-model compiled graphs (maverick/compiled.py); with --q4 the int4 kernel inside them")  # fmt: skip
     ap.add_argument("--q4", action="store_true",
                     help="keep the GGUF's quantised linears packed (bf16: maverick/q4.py; fp32: maverick/codes.py): faster decoding")  # fmt: skip
+    add_threads_option(ap)
     args = ap.parse_args(argv)
     shard = init_from_env()  # torchrun: tensor + expert parallel over the group (maverick/parallel.py)
     if shard is not None and (args.q4 or args.compile or args.engine == "compiled"):
@@ -256,6 +257,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         ap.error("--q4 with --compile would trace the dense weights: use --engine compiled with --q4")
     if args.q4 and args.engine == "compiled" and args.dtype != "bf16":
         ap.error("--q4 --engine compiled runs the int4 kernel on bf16: add --dtype bf16 or drop --q4")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     model = load_model(shard, dtype, args.target, q4=args.q4)
     tok = load_target_tokenizer(args.tokenizer or args.target)

@@ -123,6 +123,35 @@ def test_generate_q4_engine_combinations_refused_before_loading(argv, says, caps
     assert code == 2 and says in err and "Traceback" not in err
 
 
+def test_generate_takes_threads(monkeypatch, capsys):
+    """--threads N sets torch's CPU threads before the model loads, as in every other command; N < 1 is the
+    one-line argparse error. (maverick.generate had no --threads: an unknown option.)"""
+    from maverick import generate, parallel
+
+    class Loading(Exception):
+        pass
+
+    seen = []
+
+    def load_model(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        raise Loading
+
+    before = torch.get_num_threads()
+    n = 2 if before == 1 else 1  # a count other than the current one, so that setting it shows
+    monkeypatch.setattr(parallel, "load_model", load_model)
+    try:
+        with pytest.raises(Loading):
+            generate.main(["--prompt", "hi", "--threads", str(n)])
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [n]
+    code, err = exit_status(generate.main, ["--prompt", "hi", "--threads", "0"], capsys)
+    assert code == 2 and err == (
+        "error: argument --threads: must be >= 1, got 0 (python -m maverick.generate --help for usage)\n"
+    )
+
+
 def test_decoders_emit_nothing_for_zero_new_tokens_and_refuse_negative(target):
     prompt = [[5, 9, 2, 7, 11]]
     eos = target.config.eos_ids
