@@ -40,6 +40,7 @@ from maverick.cli import (
     positive_int,
     positive_int_list,
     run_cli,
+    write_stdout,
 )
 from maverick.compiled import for_engine
 from maverick.generate import Decoder, Generation, TextStream, check_lengths
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if shard is not None:
         result["ranks"] = shard.world
     if rank0:
-        print("\n" + json.dumps(result), flush=True)
+        write_stdout("\n" + json.dumps(result) + "\n")
     if args.check and not result["identical_to_plain"]:
         return 1
     return result

@@ -14,9 +14,11 @@ one line as well: every entry point's parser is this module's `ArgumentParser`, 
 `error: <message> (python -m <module> --help for usage)`, exit status 2 (plain argparse prints its whole
 usage block first); `--help` is argparse's. Its `prog` is the command as typed (`python -m train.fit`).
 
-Ctrl-C is one line too (exit status 130). `--debug` (anywhere on the command line; it is removed before
-`main` parses) or the environment variable MAVERICK_DEBUG=1 shows the traceback of a user error or an
-interrupt as well.
+Ctrl-C is one line too (exit status 130): `interrupted`, followed by how to continue for a command that can
+(`run_cli(main, resume="...")`); text streamed to stdout without a final newline (`write_stdout`) is ended
+first, so the message starts a line of its own. `--debug` (anywhere on the command line; it is removed
+before `main` parses) or the environment variable MAVERICK_DEBUG=1 shows the traceback of a user error or
+an interrupt as well.
 
 A new CLI needs three lines:
 
@@ -64,9 +66,14 @@ def debug_enabled(argv: Sequence[str] = ()) -> bool:
     return DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
-def run_cli(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None) -> NoReturn:
+def run_cli(
+    main: Callable[[list[str]], Any], argv: Sequence[str] | None = None, *, resume: str = ""
+) -> NoReturn:
     """Run `main(argv)` as a command: exit with its int status (0 for anything else it returns); a
-    UserError (or a missing / unreadable file) becomes `error: ...` on stderr and exit status 2."""
+    UserError (or a missing / unreadable file) becomes `error: ...` on stderr and exit status 2; Ctrl-C
+    becomes `interrupted` (`interrupted; <resume>` for a command that continues when run again), status 130."""
+    global _stdout_line_open
+    _stdout_line_open = False
     args = list(sys.argv[1:] if argv is None else argv)
     debug = debug_enabled(args)
     args = [a for a in args if a != DEBUG_FLAG]
@@ -75,6 +82,7 @@ def run_cli(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None)
     except (UserError, *_USER_OS_ERRORS) as exc:
         if debug:
             raise
+        end_stdout_line()
         print(f"error: {user_message(exc)}", file=sys.stderr, flush=True)
         sys.exit(USER_ERROR_STATUS)
     except KeyboardInterrupt:
@@ -82,9 +90,34 @@ def run_cli(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None)
         # the command runs again), so this is a clean stop
         if debug:
             raise
-        print("interrupted (the resumable commands continue where they were when run again)", file=sys.stderr)
+        end_stdout_line()
+        print("interrupted" + (f"; {resume}" if resume else ""), file=sys.stderr, flush=True)
         sys.exit(INTERRUPTED_STATUS)
     sys.exit(result if isinstance(result, int) and not isinstance(result, bool) else 0)
+
+
+# whether the text written by `write_stdout` ends without a newline (an answer streamed token by token)
+_stdout_line_open = False
+
+
+def write_stdout(text: str) -> None:
+    """Write streamed text to stdout now (flushed). If run_cli then stops on Ctrl-C or a user error while the
+    text ends without a newline, it ends the line first: its message on stderr starts a line of its own on a
+    terminal, and a redirected stdout still ends with a newline."""
+    global _stdout_line_open
+    if text:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        _stdout_line_open = not text.endswith("\n")
+
+
+def end_stdout_line() -> None:
+    """A newline on stdout if `write_stdout` left a line open."""
+    global _stdout_line_open
+    if _stdout_line_open:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        _stdout_line_open = False
 
 
 class ArgumentParser(argparse.ArgumentParser):

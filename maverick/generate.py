@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from maverick.cli import ArgumentParser, UserError, add_threads_option, positive_int, run_cli
+from maverick.cli import ArgumentParser, UserError, add_threads_option, positive_int, run_cli, write_stdout
 from maverick.compiled import for_engine
 from maverick.kv_cache import KVCache
 from maverick.model import Llama4
@@ -218,8 +217,7 @@ class TextStream:
         if not upto.startswith(self.shown) or len(upto) == len(self.shown):
             return  # nothing new (a decoded prefix never changes once its characters are whole)
         if self.show:
-            sys.stdout.write(upto[len(self.shown) :])
-            sys.stdout.flush()
+            write_stdout(upto[len(self.shown) :])  # a Ctrl-C's message starts its own line (maverick/cli.py)
         self.shown = upto
 
 
@@ -288,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     }
     stats["q4"] = args.q4
     if shard is None or shard.rank == 0:
-        print("\n" + json.dumps(stats | {"ranks": shard.world if shard else 1}))
+        write_stdout("\n" + json.dumps(stats | {"ranks": shard.world if shard else 1}) + "\n")
 
 
 if __name__ == "__main__":

@@ -82,10 +82,13 @@ def test_every_entry_point_runs_through_run_cli():
     assert (
         len(mains) >= 9
     )  # generate, bench, acceptance, compare_runs, bench_fp8_gemm, dump, fit, regenerate, datastore
+    # the commands that continue where they stopped when run again: their Ctrl-C line says how
+    resumable = {"train.dump", "train.fit", "train.regenerate", "train.stage"}
     for p in mains:
-        assert "run_cli(main)" in _main_calls(p), (
-            f"{p.relative_to(ROOT)}: __main__ does not call run_cli(main)"
-        )
+        calls = [c for c in _main_calls(p) if re.match(r"run_cli\(main(\)|, resume=)", c)]
+        assert len(calls) == 1, f"{p.relative_to(ROOT)}: __main__ does not call run_cli(main)"
+        module = f"{p.parent.name}.{p.stem}"
+        assert ("resume=" in calls[0]) == (module in resumable), f"{module}: {calls[0]}"
 
 
 # ---- out-of-range counts ----
@@ -733,9 +736,36 @@ def test_ctrl_c_is_one_line_and_status_130(capsys, monkeypatch):
         raise KeyboardInterrupt
 
     code, err = exit_status(main, [], capsys)
-    assert code == 130 and err.startswith("interrupted") and err.count("\n") == 1
+    assert code == 130 and err == "interrupted\n"  # no claim that this command continues when run again
+    with pytest.raises(SystemExit) as e:
+        run_cli(main, [], resume="the same command continues")  # a command that does says how
+    assert e.value.code == 130 and capsys.readouterr().err == "interrupted; the same command continues\n"
     with pytest.raises(KeyboardInterrupt):  # --debug: the traceback
         run_cli(main, ["--debug"])
+
+
+@pytest.mark.parametrize("text", ["The countless", "A line.\n"])
+def test_ctrl_c_while_an_answer_streams_starts_its_own_line(text, capsys, monkeypatch):
+    """maverick.generate streams the answer with no newline until it ends; a Ctrl-C mid-answer ends that line on
+    stdout first, so that 'interrupted' is a line of its own on a terminal (it was glued on: '...countlessinterrupted
+    (the resumable ...'), and a redirected stdout ends with a newline. A line already ended gets no blank one."""
+    from maverick import generate
+    from maverick.target import load_target_tokenizer
+
+    ids = load_target_tokenizer(None).encode(text)
+
+    def interrupted(self, prompts, max_new_tokens, *args, on_tokens=None, **kwargs):
+        for t in ids:
+            on_tokens(torch.tensor([t]))
+        raise KeyboardInterrupt
+
+    monkeypatch.delenv("MAVERICK_DEBUG", raising=False)
+    monkeypatch.setattr(generate.Decoder, "generate", interrupted)
+    with pytest.raises(SystemExit) as e:
+        run_cli(generate.main, ["--prompt", "hi", "--max-new-tokens", "8"])
+    out, err = capsys.readouterr()
+    assert out == text.removesuffix("\n") + "\n"
+    assert e.value.code == 130 and err == "interrupted\n"
 
 
 # ---- a target's config.json with a field of the wrong type ----

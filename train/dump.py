@@ -723,4 +723,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    run_cli(main, resume="the same command continues from the shards it finished")

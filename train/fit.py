@@ -1233,4 +1233,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    run_cli(
+        main,
+        resume="with --checkpoint-every, the same command with --resume continues from the last checkpoint",
+    )

@@ -258,4 +258,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    run_cli(main, resume="the same command continues, keeping the conversations written")

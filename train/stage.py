@@ -731,4 +731,4 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    run_cli(main, resume="the same command (the same --out) continues where it stopped")
