@@ -46,7 +46,16 @@ from tqdm import tqdm
 from eagle3.draft import DEFAULT_DRAFT, check_draft_fits, load_draft
 from eval.prompts import BENCHMARKS, answer_text, chat_ids, check_prompts_option, load_benchmark
 from maverick.aot import cpu_name
-from maverick.cli import ArgumentParser, UserError, add_threads_option, output_file, positive_int, run_cli
+from maverick.cli import (
+    ArgumentParser,
+    UserError,
+    add_threads_option,
+    is_json_with,
+    output_file,
+    positive_int,
+    refuse_foreign_output,
+    run_cli,
+)
 from maverick.files import atomic_write, fingerprint
 from maverick.parallel import init_from_env, load_model, rank0_prints, rank0_says
 from maverick.sampling import SamplingParams, add_sampling_options
@@ -68,6 +77,12 @@ from train.acceptance import (
     target_fields,
     target_probs,
 )
+
+
+def is_results(path: Path) -> bool:
+    """Whether `path` holds this command's --out: a JSON object with "answer_tokens" and "drafts" (written
+    since the first version)."""
+    return is_json_with(path, ("answer_tokens", "drafts"))
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -100,6 +115,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     args.draft = args.draft or [str(DEFAULT_DRAFT)]
     check_prompts_option(args.bench, args.prompts)
+    if args.out is not None:  # an earlier run's results are replaced; a chat file or a user's notes are not
+        refuse_foreign_output(args.out, is_results, "eval.acceptance's results")
     if args.max_new_tokens <= args.steps:
         raise UserError(
             f"--max-new-tokens {args.max_new_tokens} scores no position with --steps {args.steps}: an answer "

@@ -25,8 +25,10 @@ import torch
 
 from maverick.cli import (
     ArgumentParser,
+    is_json_with,
     output_file,
     positive_int,
+    refuse_foreign_output,
     run_cli,
 )
 from maverick.files import atomic_write
@@ -131,12 +133,20 @@ def check_cpu() -> list[dict]:
     return rows
 
 
+def is_results(path: Path) -> bool:
+    """Whether `path` holds this command's --out: a JSON object with "mode" and "rows" (timings or the CPU
+    correctness pass, written since the first version)."""
+    return is_json_with(path, ("mode", "rows"))
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = ArgumentParser(prog="python -m eval.bench_fp8_gemm", description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=positive_int, nargs="+", default=[1, 8, 64, 512, 4096])
     p.add_argument("--iters", type=positive_int, default=50)
     p.add_argument("--out", type=output_file, default=Path("eval/results/bench_fp8_gemm.json"))
     args = p.parse_args(argv)
+    # an earlier run's results are replaced; a user's notes, or another command's JSON, are not
+    refuse_foreign_output(args.out, is_results, "eval.bench_fp8_gemm's results")
     cuda = torch.cuda.is_available() and scaled_mm_supported("cuda")
     config = {
         "tokens": args.tokens,

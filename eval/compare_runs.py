@@ -22,6 +22,7 @@ from maverick.cli import (
     output_file,
     positive_int,
     read_utf8,
+    refuse_foreign_output,
     run_cli,
 )
 from maverick.files import atomic_path
@@ -98,6 +99,14 @@ def windows(logs: dict[str, list[dict]], window: int) -> list[dict]:
     return rows
 
 
+def is_plot(path: Path) -> bool:
+    """Whether `path` is a plot as `plot` writes it: a PNG whose first chunks say Matplotlib made it (its
+    "Software" text chunk, before the image data). A run's train_log.jsonl or a photo is not one."""
+    with path.open("rb") as f:
+        head = f.read(512)
+    return head.startswith(b"\x89PNG\r\n\x1a\n") and b"tEXtSoftware\x00Matplotlib" in head
+
+
 def plot(logs: dict[str, list[dict]], path: Path) -> None:
     import matplotlib
 
@@ -128,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     ap.add_argument("--window", type=positive_int, default=10)
     ap.add_argument("--out", type=output_file, default=None, help="PNG of the curves")
     args = ap.parse_args(argv)
+    if args.out:  # an earlier plot is replaced; a run's log, a user's picture or notes are not
+        refuse_foreign_output(args.out, is_plot, "a plot of eval.compare_runs (a Matplotlib PNG)")
     logs = {str(r): read_log(r) for r in args.runs}
     rows = windows(logs, args.window)
     names = list(logs)

@@ -45,7 +45,16 @@ from tqdm import tqdm
 
 from eval.acceptance import first_turns, target_answers
 from eval.prompts import BENCHMARKS, check_prompts_option, load_benchmark
-from maverick.cli import ArgumentParser, UserError, add_threads_option, output_file, positive_int, run_cli
+from maverick.cli import (
+    ArgumentParser,
+    UserError,
+    add_threads_option,
+    is_json_with,
+    output_file,
+    positive_int,
+    refuse_foreign_output,
+    run_cli,
+)
 from maverick.files import atomic_write
 from maverick.model import Llama4
 from maverick.target import TARGET_HELP, default_target_path, load_target, load_target_tokenizer
@@ -102,6 +111,12 @@ def summarize(per_position: dict[str, Tensor]) -> dict[str, float]:
     }
 
 
+def is_results(path: Path) -> bool:
+    """Whether `path` holds this command's --out: a JSON object with "answers_kept" and "variants" (written
+    since the first version)."""
+    return is_json_with(path, ("answers_kept", "variants"))
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap = ArgumentParser(
         prog="python -m eval.quality",
@@ -127,6 +142,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise UserError(f"--variants: unknown {', '.join(map(repr, unknown)) or 'none given'}; "
                         f"choose from {', '.join(VARIANTS)}")  # fmt: skip
     check_prompts_option(args.bench, args.prompts)
+    if args.out is not None:  # an earlier run's results are replaced; a chat file or a user's notes are not
+        refuse_foreign_output(args.out, is_results, "eval.quality's results")
     if args.threads:
         torch.set_num_threads(args.threads)
     target = args.target or default_target_path()

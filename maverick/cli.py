@@ -311,6 +311,16 @@ def refuse_foreign_output(path: Path, is_ours: Callable[[Path], bool], what: str
         raise UserError(f"{path}: already exists and is not {what}; delete it or give another --out")
 
 
+def is_json_with(path: Path, keys: Sequence[str]) -> bool:
+    """Whether `path` holds one JSON object with every one of `keys`: how a command that writes its results
+    as JSON (eval.acceptance, eval.quality) tells its own earlier output, for `refuse_foreign_output`."""
+    try:
+        obj = json.loads(path.read_bytes())
+    except (ValueError, OSError, RecursionError):  # not JSON, not UTF-8 (a ValueError too), nested too deep
+        return False
+    return isinstance(obj, dict) and all(k in obj for k in keys)
+
+
 def add_threads_option(parser: argparse.ArgumentParser) -> None:
     """`--threads N` (N >= 1): torch's CPU threads; the entry point calls `torch.set_num_threads` with it."""
     parser.add_argument(

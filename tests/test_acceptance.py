@@ -1,6 +1,7 @@
 """eval.acceptance: teacher-forced run lengths give every greedy chain cycle's accepted count exactly, and
 sampled chains' acceptance without bias."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -149,11 +150,14 @@ def test_cli_keeps_the_targets_answers_and_reads_them_back(tmp_path, monkeypatch
     assert len(generated) == 1 and first["answers_cached"] is None
     cache = tmp_path / "answers" / Path(second["answers_cached"]).name
     assert second["drafts"] == first["drafts"] and cache.exists()
-    shipped = acceptance.main(argv[2:])  # without --draft: the shipped draft, the same directory
+    out = tmp_path / "acceptance.json"  # a rerun over its own --out replaces it (another file is refused:
+    shipped = acceptance.main([*argv[2:], "--out", str(out)])  # tests/test_cli_errors.py)
+    assert acceptance.is_results(out)
     assert list(shipped["drafts"].values()) == list(first["drafts"].values()) and len(generated) == 1
     assert f"read from {cache}" in capsys.readouterr().out
     assert acceptance.main([*argv, "--fresh-answers"])["answers_cached"] is None and len(generated) == 2
-    other = acceptance.main([*argv[:-2], "--steps", "4"])  # --steps does not change the answers
+    other = acceptance.main([*argv[:-2], "--steps", "4", "--out", str(out)])  # --steps: the same answers
+    assert json.loads(out.read_text())["config"]["steps"] == 4
     assert other["answers_cached"] == str(cache) and len(generated) == 2
     longer = acceptance.main([*argv[:4], "--max-new-tokens", "13", "--steps", "3"])  # a new key
     assert longer["answers_cached"] is None and len(generated) == 3

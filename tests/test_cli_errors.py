@@ -637,6 +637,56 @@ def test_regenerate_refuses_an_out_file_it_did_not_write_and_leaves_it_untouched
     assert regenerate._read_done(ours) == {"a"} and ours.read_text() == '{"id": "a", "messages": []}\n'
 
 
+@pytest.mark.parametrize(
+    "module, argv, what",
+    [
+        (
+            "eval.acceptance",
+            ["--n", "1", "--max-new-tokens", "8", "--steps", "2"],
+            "eval.acceptance's results",
+        ),
+        (
+            "eval.quality",
+            ["--n", "1", "--max-new-tokens", "4", "--variants", "codes"],
+            "eval.quality's results",
+        ),
+        ("eval.bench_fp8_gemm", ["--tokens", "1"], "eval.bench_fp8_gemm's results"),
+        ("eval.compare_runs", ["{run}"], "a plot of eval.compare_runs"),
+    ],
+)
+def test_a_results_out_file_replaces_only_its_own_results(module, argv, what, tmp_path, capsys):
+    """`python -m eval.acceptance --out runs/regen/chats.jsonl` replaced the user's regenerated chats with
+    its JSON (exit 0). A file at --out that is not the command's own output is now refused, untouched,
+    before any work (the test files' controls rerun each over its own output). Small runs: before, each
+    ran to the end and wrote over the chats."""
+    import importlib
+
+    main = importlib.import_module(module).main
+    (tmp_path / "run").mkdir()  # a training log for eval.compare_runs to plot
+    (tmp_path / "run" / "train_log.jsonl").write_text('{"step": 1, "loss": 2.0, "acc_i": [0.5]}\n')
+    argv = [a.replace("{run}", str(tmp_path / "run")) for a in argv]
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n')
+    code, err = exit_status(main, [*argv, "--out", str(chats)], capsys)
+    assert (
+        code == 2
+        and err.startswith(f"error: {chats}: already exists and is not {what}")
+        and err.count("\n") == 1
+    )
+    assert chats.read_text() == '{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n'
+
+
+def test_bench_fp8_gemm_replaces_its_own_results(tmp_path):
+    """The control of the above for eval.bench_fp8_gemm (its default --out is a path in the repository, so a
+    rerun must go on over an earlier run's JSON: the CPU correctness pass here, the timings on CUDA)."""
+    from eval import bench_fp8_gemm
+
+    out = tmp_path / "gemm.json"
+    out.write_text(json.dumps({"config": {}, "mode": "timing", "rows": []}))
+    assert bench_fp8_gemm.main(["--tokens", "1", "--out", str(out)])["out"] == str(out)
+    assert bench_fp8_gemm.is_results(out) and json.loads(out.read_text())["rows"]
+
+
 DIR_OUTS = ["train.dump", "train.fit", "train.stage", "eval.bench", "eval.bench_engine"]
 FILE_OUTS = ["train.regenerate", "train.datastore", "train.stage_data", "eval.acceptance", "eval.bench_fp8_gemm",
              "eval.compare_runs", "eval.quality"]  # fmt: skip

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from eval.compare_runs import main, read_log, windows
+from eval.compare_runs import is_plot, main, read_log, windows
 from maverick.cli import run_cli
 
 
@@ -29,7 +29,11 @@ def test_windows_and_plot(tmp_path):
     assert rows[0]["b"]["acc0"] == pytest.approx(0.1) and rows[2]["a"]["acc0"] == pytest.approx(0.5)
     out = tmp_path / "plots" / "c.png"
     main([str(tmp_path / "a"), str(tmp_path / "b"), "--window", "2", "--out", str(out)])
+    assert out.stat().st_size > 10_000 and is_plot(out)
+    out.write_bytes(out.read_bytes()[:1000])  # a rerun replaces its own plot (another file is refused:
+    main([str(tmp_path / "a"), "--out", str(out)])  # tests/test_cli_errors.py)
     assert out.stat().st_size > 10_000
+    assert not is_plot(tmp_path / "a" / "train_log.jsonl")
 
 
 def test_missing_log_is_named(tmp_path):

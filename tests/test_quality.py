@@ -59,6 +59,7 @@ def test_the_command_measures_fp8_against_the_codes_control(tmp_path, monkeypatc
     assert codes["kl_max"] < 1e-6 and codes["top1"] == 1.0 and codes["ppl"] == pytest.approx(codes["ppl_ref"])
     assert fp8["kl_mean"] > 1e-4 and fp8["kl_mean"] > 100 * max(codes["kl_mean"], 1e-9)
     assert set(fp8["categories"]) == {"writing"} and out.exists()
+    assert quality.is_results(out)  # a rerun replaces it (another file is refused: tests/test_cli_errors.py)
     table = capsys.readouterr().out
     assert "KL mean" in table and "\nfp8 " in table
 
