@@ -337,6 +337,42 @@ def test_cli_end_to_end_on_chats(tmp_path):
     assert dump.main(argv)["dump_tokens_per_s"] == 0.0  # rerun: everything is already there
 
 
+def test_out_holding_other_files_is_refused_untouched(tmp_path, capsys):
+    """`train.dump --out eagle3/drafts` wrote manifest.json, a shard and vocab.safetensors beside the shipped
+    draft. A directory that holds other files and no manifest is now refused, naming it, before the data is
+    read; a new or empty directory, a dump's, or what a first run stopped before its manifest left go on."""
+    from tests.test_cli_errors import exit_status
+
+    drafts = tmp_path / "drafts"
+    (drafts / "smollm2-135m-instruct").mkdir(parents=True)
+    (drafts / "smollm2-135m-instruct" / "config.json").write_text("{}")
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps(c) + "\n" for c in CHATS))
+    argv = ["--out", str(drafts), "--data", str(chats), "--max-length", "64",
+            "--heldout-fraction", "0.2", "--cache-dir", str(tmp_path / "cache"), "--no-progress"]  # fmt: skip
+    code, err = exit_status(dump.main, argv, capsys)
+    assert code == 2 and err == (
+        f"error: {drafts}: holds smollm2-135m-instruct and no manifest.json, so it is not a dump directory; "
+        "give --out a new or empty directory, or a dump's to resume it\n"
+    )
+    assert [p.name for p in drafts.iterdir()] == ["smollm2-135m-instruct"] and not (
+        tmp_path / "cache"
+    ).exists()
+    (drafts / "manifest.json").write_text('{"format": "something else"}')  # another program's manifest
+    with pytest.raises(DumpError, match="manifest.json: format 'something else'"):
+        dump.check_out(drafts)
+    # the controls: what a dump writes before its first manifest (a rerun finishes it), an empty directory
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    (stopped / "vocab.safetensors").write_bytes(b"x")
+    (stopped / "shard-00000.safetensors.tmp-123-0123abcd").write_bytes(b"x")
+    (stopped / "manifest.json.tmp-123-0123abcd").write_bytes(b"x")
+    dump.check_out(stopped)
+    dump.check_out(tmp_path / "cache")
+    (tmp_path / "empty").mkdir()
+    dump.check_out(tmp_path / "empty")
+
+
 def test_real_target_smoke(tmp_path):
     """SmolLM2 from the GGUF wheel: 2 chats dumped, argmax equal to the model's own logits."""
     pytest.importorskip("gguf")

@@ -23,7 +23,8 @@ Layout on disk (a directory):
 Shards are written under a temporary name and renamed; the manifest (also renamed into place) is
 updated after each one, so an interrupted dump restarts where it stopped: finished shards whose size
 matches the manifest are skipped, temporary files are deleted. A run with different settings
-(target, layers, dtype, data) into the same directory is refused instead of mixing dumps.
+(target, layers, dtype, data) into the same directory is refused instead of mixing dumps, and so is
+a directory that holds other files and no manifest (a draft's, a user's folder).
 
 Target forwards are batched: the samples of a shard are sorted by length and grouped under a token
 budget, right-padded (causal attention: padding on the right cannot change earlier positions). Under
@@ -42,6 +43,7 @@ import json
 import logging
 import math
 import os
+import re
 import struct
 import time
 from collections.abc import Mapping, Sequence
@@ -60,6 +62,7 @@ from maverick.cli import (
     ArgumentParser,
     UserError,
     add_threads_option,
+    check_output_dir,
     device,
     int_list,
     output_dir,
@@ -68,7 +71,7 @@ from maverick.cli import (
     run_cli,
 )
 from maverick.config import Llama4Config
-from maverick.files import atomic_path, atomic_write, remove_leftovers
+from maverick.files import LEFTOVER, atomic_path, atomic_write, remove_leftovers
 from maverick.model import Llama4
 from maverick.target import TARGET_DTYPES, TARGET_HELP, default_target_path, target_identity
 from train.samples import add_data_args, chat_samples, draft_vocab_from
@@ -231,6 +234,29 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
 
 def shard_name(k: int) -> str:
     return f"shard-{k:05d}.safetensors"
+
+
+# what a run writes before its first manifest (and the partial files of each, manifest.json's too)
+DUMP_FILE = re.compile("|".join(map(re.escape, (VOCAB_FILE, MANIFEST))) + r"|shard-\d{5}\.safetensors")
+
+
+def check_out(out: Path) -> None:
+    """--out may be a new or empty directory, a dump's (its manifest: a rerun resumes it, or says which
+    setting differs), or what a first run stopped before its first manifest left (the vocabulary, shards,
+    partial files). A directory holding anything else (a draft beside eagle3/drafts' shipped one, a user's
+    folder) is a DumpError naming it, before any work: the shards and manifest went in beside its files."""
+    check_output_dir(out)
+    if not out.is_dir():
+        return
+    if (out / MANIFEST).exists():
+        read_manifest(out)  # another program's manifest.json is refused here, before the data is read
+        return
+    other = [p.name for p in out.iterdir() if not DUMP_FILE.fullmatch(LEFTOVER.split(p.name)[0])]
+    if other:
+        raise DumpError(
+            f"{out}: holds {', '.join(sorted(other)[:3])}{', ...' if len(other) > 3 else ''} and no {MANIFEST}, "
+            "so it is not a dump directory; give --out a new or empty directory, or a dump's to resume it"
+        )
 
 
 def _shard_tensors(per_sample: Sequence[Mapping[str, Tensor]], first: int) -> dict[str, Tensor]:
@@ -681,6 +707,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
+    check_out(Path(args.out))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
