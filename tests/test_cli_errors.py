@@ -632,6 +632,14 @@ def test_regenerate_refuses_an_out_file_it_did_not_write_and_leaves_it_untouched
     code, err = exit_status(regenerate.main, ["--out", str(f), "--max-samples", "1"], capsys)
     assert code == 2 and f"{f}: line 1 is not a record of train.regenerate" in err
     assert f.read_bytes() == b"# my notes\nno newline at the end"
+    sharegpt = tmp_path / "sharegpt.jsonl"  # a chat file of other records: answers were appended to it
+    sharegpt.write_text('{"id": "a", "conversations": [{"from": "human", "value": "hi"}]}\n')
+    new = tmp_path / "new.jsonl"
+    new.write_text('{"id": "b", "messages": [{"role": "user", "content": "hi"}]}\n')
+    argv = ["--out", str(sharegpt), "--data", str(new), "--turns", "1", "--max-new-tokens", "4"]
+    code, err = exit_status(regenerate.main, argv, capsys)
+    assert code == 2 and f"{sharegpt}: line 1 is not a record of train.regenerate" in err
+    assert sharegpt.read_text() == '{"id": "a", "conversations": [{"from": "human", "value": "hi"}]}\n'
     ours = tmp_path / "chats.jsonl"  # the control: an interrupted file of ours loses its partial line only
     ours.write_text('{"id": "a", "messages": []}\n{"id": "b", "mess')
     assert regenerate._read_done(ours) == {"a"} and ours.read_text() == '{"id": "a", "messages": []}\n'

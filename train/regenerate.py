@@ -55,9 +55,11 @@ def skipped_path(out: Path) -> Path:
     return out.with_name(out.stem + ".skipped.jsonl")
 
 
-def _read_done(path: Path) -> set[str]:
+def _read_done(path: Path, key: str = "messages") -> set[str]:
     """Ids already written; a partial last line (an interrupted write) is cut off, once every whole line has
-    been read as a record (a file that is not ours is refused untouched)."""
+    been read as a record: a JSON object with an 'id' and `key` ('messages' in --out, 'reason' in its
+    skipped file). A file that is not ours is refused untouched (a chat file of other records, such as
+    ShareGPT's {"id", "conversations"}, had this run's records appended to it)."""
     if not path.exists():
         return set()
     data = path.read_bytes()
@@ -67,11 +69,14 @@ def _read_done(path: Path) -> set[str]:
         if not line.strip():
             continue
         try:
-            ids.add(json.loads(line)["id"])
+            rec = json.loads(line)
+            if not isinstance(rec, dict) or key not in rec:
+                raise KeyError(key)
+            ids.add(rec["id"])
         except (ValueError, KeyError, TypeError):  # the file is not ours: refuse it before changing a byte
             raise UserError(
-                f"{path}: line {i} is not a record of train.regenerate (a JSON object with an 'id'); give --out "
-                "a new file, or one an earlier run wrote, to continue it"
+                f"{path}: line {i} is not a record of train.regenerate (a JSON object with an 'id' and "
+                f"'{key}'); give --out a new file, or one an earlier run wrote, to continue it"
             ) from None
     if len(keep) != len(data):
         atomic_write(path, keep)
@@ -103,7 +108,8 @@ def regenerate(
     after this long (the file stays whole; a rerun continues). shard: this rank of a tensor + expert
     parallel target (maverick/parallel.py, under torchrun): every rank decodes every batch (the gathered
     logits, so the same tokens), rank 0 writes, and rank 0's clock decides when to stop."""
-    done = _read_done(out) | _read_done(skipped_path(out))  # before any model loads: a wrong --out stops here
+    # before any model loads: a wrong --out stops here
+    done = _read_done(out) | _read_done(skipped_path(out), "reason")
     model = load_model(shard, dtype, target, device=device)
     tok = load_target_tokenizer(tokenizer or target)
     eos = model.config.eos_ids
