@@ -36,6 +36,7 @@ stage whose earlier answers are fewer than its init draft trained on says so (`d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -87,6 +88,29 @@ TRAIN_STATE = "train_state.pt"
 LOG = "train_log.jsonl"
 # steps before --profile-steps records: the CUDA graphs' first replays, the first buckets' compilation
 PROFILE_SKIP = 20
+
+
+@contextlib.contextmanager
+def ctrl_c_after_step():
+    """Within it, a first Ctrl-C (SIGINT) is noted in the list it yields instead of raised, so that a loop ends
+    its step and saves before stopping; a second one raises at once. Off the main thread, where no handler can
+    be set, a Ctrl-C raises as usual and nothing is noted."""
+    stop: list[int] = []
+
+    def on_int(signum, frame) -> None:
+        if stop:
+            raise KeyboardInterrupt
+        stop.append(signum)
+        print("Ctrl-C: saving after this step (a second one stops at once)", flush=True)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    old = signal.signal(signal.SIGINT, on_int)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 class StageError(UserError):
@@ -386,9 +410,8 @@ class Stage:
             step, epoch, pos, spent, tokens = st["step"], st["epoch"], st["pos"], st["seconds"], st["tokens"]
             tokens0 = tokens
             print(f"resumed training at step {step} ({spent:.0f} s done)", flush=True)
-        lm_rows = self.model.lm_head.weight.detach()[
-            draft.draft_to_target_ids
-        ].float()  # the loaded vocabulary's
+        # the target rows of the loaded vocabulary (a checkpoint's, when one was loaded above)
+        lm_rows = self.model.lm_head.weight.detach()[draft.draft_to_target_ids].float()
         t2d = draft.t2d.to(dev)
         budget = spent + max(
             0.0, self.left() - a.score_share * self.budget
@@ -415,23 +438,16 @@ class Stage:
             with atomic_path(ck) as tmp:
                 torch.save(st, tmp)
 
+        def save_bf16_draft(info: dict[str, Any]) -> None:
+            """The shipped format: bf16 weights (the fp32 master copy only lives in train_state.pt), written
+            from a copy (save_draft writes it from the CPU)."""
+            bf16 = copy.deepcopy(draft).to(torch.bfloat16)
+            save_draft(bf16, self.out / "draft", {"training.json": json.dumps(info, indent=1)})
+
         # a Ctrl-C (the device script's hang guard sends one) ends the step under way; then the state and the
         # draft are saved before it goes on up: a rerun resumes from this step, not from the last
         # --checkpoint-seconds save, and a machine gone cold still returns a draft (train_state.pt stays there)
-        stop: list[int] = []
-
-        def on_int(signum, frame) -> None:
-            if stop:  # a second one: at once
-                raise KeyboardInterrupt
-            stop.append(signum)
-            print("Ctrl-C: saving after this step (a second one stops at once)", flush=True)
-
-        old_handler = (
-            signal.signal(signal.SIGINT, on_int)
-            if threading.current_thread() is threading.main_thread()
-            else None
-        )
-        try:
+        with ctrl_c_after_step() as stop:
             while (spent + time.perf_counter() - t_run < budget and (a.max_steps is None or step < a.max_steps)
                    and not stop):  # fmt: skip
                 if pos >= len(batches):
@@ -475,14 +491,9 @@ class Stage:
                 if time.perf_counter() - t_ck > a.checkpoint_seconds:
                     save_ck()
                     t_ck = time.perf_counter()
-        finally:
-            if old_handler is not None:
-                signal.signal(signal.SIGINT, old_handler)
         if stop:
             save_ck()
-            partial = {"stage": str(self.out), "steps": step, "tokens": tokens, "interrupted": True}
-            save_draft(copy.deepcopy(draft).to(torch.bfloat16), self.out / "draft",
-                       {"training.json": json.dumps(partial, indent=1)})  # fmt: skip
+            save_bf16_draft({"stage": str(self.out), "steps": step, "tokens": tokens, "interrupted": True})
             print(f"saved the training state and the draft at step {step}", flush=True)
             raise KeyboardInterrupt
         seconds = spent + time.perf_counter() - t_run
@@ -490,16 +501,9 @@ class Stage:
         profiled = prof.summary()
         if a.profile_steps:
             print(describe_profile("training", profiled), flush=True)
-        # the shipped format: bf16 weights (the fp32 master copy only lives in train_state.pt)
-        info = {
-            "stage": str(self.out),
-            "steps": step,
-            "tokens": tokens,
-            "answered_conversations": len(samples),
-        }
-        info = json.dumps(info, indent=1)
-        bf16 = copy.deepcopy(draft).to(torch.bfloat16)  # save_draft writes it from the CPU
-        save_draft(bf16, self.out / "draft", {"training.json": info})
+        save_bf16_draft(
+            {"stage": str(self.out), "steps": step, "tokens": tokens, "answered_conversations": len(samples)}
+        )
         if log_path.exists():
             recs = [json.loads(x) for x in log_path.read_text().splitlines() if x.strip()]
             if recs:
