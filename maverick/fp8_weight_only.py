@@ -86,9 +86,8 @@ class Float8WeightOnlyLinear(nn.Module):
             raise ValueError(f"{prefix}weight: {w.dtype}, expected {E4M3} (FP8 weight-only layout)")
         if s is not None and s.dtype not in self._SCALE_DTYPES:
             raise ValueError(f"{prefix}weight_scale: {s.dtype}, expected float32 (FP8 weight-only layout)")
-        if (
-            s is not None and s.dtype != torch.float32
-        ):  # upcast here: a load with assign=True keeps the tensor
+        # upcast here, not by the copy into the buffer: a load with assign=True keeps the tensor it is given
+        if s is not None and s.dtype != torch.float32:
             state_dict[prefix + "weight_scale"] = s.float()
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected, errors

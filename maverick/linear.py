@@ -209,8 +209,8 @@ def invariant_rows(fn, kind: str, shape: tuple[int, int], dtype: torch.dtype) ->
     the same bits whatever r, calls of fewer than lo rows being padded with zero rows up to lo. Kernels
     choose their code path by shape, not by values, so this is probed once per (kernel, shape, dtype): 64
     random rows of each of `_probe_inputs`, in calls of r rows for every r (a differing accumulation order
-    shows in only a few of the 64 x N results, and on some inputs in none), first with lo = 1, then (if some count differs) lo = 2, 4, 8, keeping the widest
-    window. (1, 64) for every SmolLM2 shape on the Xeon with AMX this was written on; (2, 64) for oneDNN's
+    shows in only a few of the 64 x N results, and on some inputs in none), first with lo = 1, then (if
+    some count differs) lo = 2, 4, 8, keeping the widest window. (1, 64) for every SmolLM2 shape on the Xeon with AMX this was written on; (2, 64) for oneDNN's
     bf16 kernel on a [576, 1536] weight on AMD EPYC (Zen 4), where one row takes another kernel than two.
     A window probed once is read back from WINDOWS_FILE by later processes on the same CPU and software."""
     key = (kind, *shape, dtype)
@@ -279,8 +279,9 @@ def _remember(x: Tensor, layers: Sequence[nn.Module], fn) -> None:
 
 def _remembered(x: Tensor, layers: Sequence[nn.Module]):
     """The remembered kernel call for these layers and x's dtype if it still applies: the same layers and
-    weight tensors, unwritten and holding the same storage (`weight.data = ...`, as `Module.to` does), and x a few CPU rows with no gradient wanted (what every kernel's conditions
-    share; anything else takes the full checks)."""
+    weight tensors, unwritten and holding the same storage (`weight.data = ...`, as `Module.to` does), and
+    x a few CPU rows with no gradient wanted (what every kernel's conditions share; anything else takes the
+    full checks)."""
     plans = layers[0].__dict__.get("_plans")
     if (
         plans is None
@@ -294,9 +295,8 @@ def _remembered(x: Tensor, layers: Sequence[nn.Module]):
     if plan is None:
         return None
     for layer, was, w, v in zip(layers, plan[0], plan[1], plan[2]):
-        if (
-            layer is not was or layer.weight is not w or (w._version, w.data_ptr()) != v
-        ):  # `.data =` moves the ptr
+        # (`weight.data = ...` keeps the tensor and its version, but moves its storage)
+        if layer is not was or layer.weight is not w or (w._version, w.data_ptr()) != v:
             return None
     return plan[3]
 

@@ -663,8 +663,9 @@ def train(
     if eval_data is not None:
         check_eval_data(data, eval_data)
     if cfg.warmup >= cfg.steps:  # the README's 20-step try with the default 50 trained at 4e-5 of 1e-4, acc 0
+        reached = cfg.lr * cfg.steps / max(cfg.warmup, 1)  # WarmupCosine at the last step
         log.warning("--warmup %d >= --steps %d: the learning rate never leaves its warmup (it reaches %.2g of "
-                    "--lr %g); give a shorter --warmup", cfg.warmup, cfg.steps, cfg.lr * cfg.steps / max(cfg.warmup, 1), cfg.lr)  # fmt: skip
+                    "--lr %g); give a shorter --warmup", cfg.warmup, cfg.steps, reached, cfg.lr)  # fmt: skip
     prepare_out(cfg)
     acc = _make_accelerator(cfg)
     try:
