@@ -188,10 +188,13 @@ def data_fingerprint(lengths: Sequence[int]) -> str:
     return hashlib.sha256(np.asarray(lengths, dtype=np.int64).tobytes()).hexdigest()[:16]
 
 
-def identity_diff(a: dict[str, Any], b: dict[str, Any], skip: Sequence[str] = ()) -> list[str]:
+def identity_diff(a: dict[str, Any] | None, b: dict[str, Any] | None, skip: Sequence[str] = ()) -> list[str]:
     """The entries of two data identities (train.dump.data_identity) that differ, as "key A, B" (fingerprints
     cut to 12 characters); an entry either side lacks (None: a dump written before it was recorded, an
-    in-memory target) is not compared."""
+    in-memory target) is not compared, nor is anything when a side has no identity (a checkpoint saved before
+    it was recorded, a test's data wrapper)."""
+    if a is None or b is None:
+        return []
 
     def show(k, v):
         return [x[:12] if isinstance(x, str) else x for x in v] if k == "samples" else v
@@ -574,8 +577,8 @@ def init_from_draft(
     src: Eagle3Draft | None = None,
 ) -> None:
     """Copy the weights of a saved draft (continued training on more data). Its shapes and features must be
-    the ones this run builds; its vocabulary may differ, in size too (`--new-vocab`): lm_head rows of tokens in both
-    vocabularies are carried over, the others keep their fresh initialisation. Its norm variants may differ
+    the ones this run builds; its vocabulary may differ, in size too (`--new-vocab`): lm_head rows of tokens in
+    both vocabularies are carried over, the others keep their fresh initialisation. Its norm variants may differ
     too (an EAGLE-3 draft carried into an EAGLE-3.1 one): norms that only this draft has keep their fresh
     weights (1), except a new fc_norm, which `scale_fc_norms` sets from `features()` (some training samples'
     target features) when given; norms that only the saved one has are dropped, and the log names both.
@@ -685,8 +688,9 @@ def train(
 def check_eval_data(data: TrainData, eval_data: TrainData) -> None:
     """Held-out dumps must be what the training data is (as dump directories read together: the same target,
     feature layers and stored dtype): others were scored, a number that means nothing, every --eval-every."""
-    a, b = getattr(eval_data, "identity", None), getattr(data, "identity", None)
-    diff = identity_diff(a, b, skip=("samples",)) if a is not None and b is not None else []
+    diff = identity_diff(
+        getattr(eval_data, "identity", None), getattr(data, "identity", None), skip=("samples",)
+    )
     if diff:
         where = ",".join(map(str, getattr(eval_data, "directories", []))) or "the held-out data"
         raise UserError(
@@ -759,8 +763,7 @@ class _Run:
             )
         # the lengths alone let other data of the same samples through (another target, its dtype): a checkpoint
         # saved since "identity" was recorded names what differs (an older one has none: not compared)
-        then = state["data"].get("identity")
-        diff = identity_diff(then, self.identity) if then is not None and self.identity is not None else []
+        diff = identity_diff(state["data"].get("identity"), self.identity)
         if diff:
             raise UserError(
                 f"{ck / STATE_FILE}: the checkpoint was trained on other data ({'; '.join(diff)}: saved, now); "
@@ -1151,9 +1154,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# options that only --online reads (the dumps fix their data, target dtype and vocabulary)
-ONLINE_ONLY = ("draft_vocab_size", "target_dtype", "data", "split", "max_samples", "max_conversations",
-               "heldout_fraction", "split_seed", "cache_dir", "tokenizer")  # fmt: skip
+# the data options of --online (FitConfig.online_args), and every option only --online reads (the dumps fix
+# their data, target dtype and vocabulary)
+ONLINE_DATA = ("data", "split", "max_samples", "max_conversations", "heldout_fraction", "split_seed",
+               "cache_dir", "tokenizer")  # fmt: skip
+ONLINE_ONLY = ("draft_vocab_size", "target_dtype", *ONLINE_DATA)
 
 
 def check_options(args: argparse.Namespace) -> None:
@@ -1174,8 +1179,6 @@ def config_from_args(args: argparse.Namespace) -> FitConfig:
     check_options(args)
     args = argparse.Namespace(**vars(args) | {k: args.online_defaults[k] for k in ONLINE_ONLY
                                                if getattr(args, k) is None})  # fmt: skip
-    online_keys = ("data", "split", "max_samples", "max_conversations", "heldout_fraction", "split_seed",
-                   "cache_dir", "tokenizer")  # fmt: skip
     return FitConfig(
         out=args.out, dumps=args.dumps, online=args.online, target=args.target, steps=args.steps,
         batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup,
@@ -1186,7 +1189,7 @@ def config_from_args(args: argparse.Namespace) -> FitConfig:
         tracker=args.tracker, resume=args.resume, stop_after=args.stop_after, eval_dumps=args.eval_dumps,
         eval_every=args.eval_every or 0, fp8=args.fp8, init_std=args.init_std, init_draft=args.init_draft, new_vocab=args.new_vocab, eagle31=args.eagle31, progress=not args.no_progress, cpu=args.cpu,
         draft_vocab_size=args.draft_vocab_size, target_dtype=args.target_dtype,
-        online_args={k: getattr(args, k) for k in online_keys} | {"max_length": args.max_length or 1024} if args.online else None,
+        online_args={k: getattr(args, k) for k in ONLINE_DATA} | {"max_length": args.max_length or 1024} if args.online else None,
         overwrite=args.overwrite, verify_dumps=not args.no_verify_dumps,
     )  # fmt: skip
 

@@ -59,9 +59,8 @@ class OnlineDataset:
         # the target's tables in fp32 (after rounding to the forward's dtype), for fit.py
         self.embed_weight = model.model.embed_tokens.weight.detach().float()
         self.lm_head_weight = model.lm_head.weight.detach().float()
-        stored = next(
-            (k for k, v in STORE_DTYPES.items() if v == store_dtype), str(store_dtype)
-        )  # (fp32: none)
+        # the stored dtype's name as a dump's manifest has it (fp32, which dumps do not store: torch's name)
+        stored = next((k for k, v in STORE_DTYPES.items() if v == store_dtype), str(store_dtype))
         self.identity = data_identity(
             [samples_fingerprint(self.samples)], target or {}, self.feature_layers, stored
         )
