@@ -338,9 +338,8 @@ class DraftLengthTuner(_Policy):
         self.k_init = self.choices[-1] if k_init is None else k_init
         if self.k_init not in self.choices:
             raise ValueError(f"DraftLengthTuner.k_init={self.k_init} is not one of choices {self.choices}")
-        if self.k_init == 0 and self.choices != [
-            0
-        ]:  # k = 0 measures no draft cost: every choice stayed "init"
+        # k = 0 measures no draft cost: beside positive choices, every later choice stayed k = 0 ("init")
+        if self.k_init == 0 and self.choices != [0]:
             raise ValueError("DraftLengthTuner.k_init=0 never measures the draft's cost: give a k_init >= 1")
         self.alpha_ema, self.prior_weight, self.probe_every = alpha_ema, prior_weight, probe_every
         k_max = self.choices[-1]
