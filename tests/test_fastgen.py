@@ -176,6 +176,29 @@ def test_answer_file_damaged_stream_is_an_error_never_a_cut(tmp_path):
     assert answers.repair(path) == ([], 3) and path.read_bytes() == b""
 
 
+def test_answer_file_cut_write_followed_by_zero_bytes_is_a_cut(tmp_path):
+    """A power loss can leave an append's blocks unwritten: the file's length covers the write, the bytes
+    read as zeros. That read as a damaged stream (an error, every rerun of the stage stopped) where it is a
+    cut-off write: the whole streams before it are the records, `repair` cuts the rest off."""
+    path = tmp_path / "answers.jsonl.xz"
+    recs = [{"id": f"a{i}", "prompts": [[1, 2]], "answers": [[3, i]]} for i in range(5)]
+    answers.append(path, recs[:2])
+    answers.append(path, recs[2:4])
+    good = path.read_bytes()
+    blob = lzma.compress(json.dumps(recs[4]).encode() + b"\n", format=lzma.FORMAT_XZ)
+    for tail in (blob[: len(blob) // 2] + bytes(4096), bytes(len(blob)), blob[:3] + bytes(9)):
+        path.write_bytes(good + tail)
+        assert answers.read_records(path) == recs[:4]
+        assert answers.repair(path) == (recs[:4], len(tail)) and path.read_bytes() == good
+        answers.append(path, recs[4:])
+        assert answers.read_records(path) == recs
+    path.write_bytes(good + bytes(8))  # zeros after whole streams: cut off too (an append writes none)
+    assert answers.repair(path) == (recs[:4], 8) and path.read_bytes() == good
+    path.write_bytes(bytes(len(blob)))  # a first write lost whole
+    assert answers.read_records(path) == [] and answers.repair(path) == ([], len(blob))
+    assert path.read_bytes() == b""
+
+
 def test_answer_file_kind_is_its_content_and_a_whole_last_line_counts(tmp_path):
     """`write` writes xz whatever the name, and a name not ending in .xz was read as plain JSONL: no records.
     A plain file's last line without a newline was dropped even when whole; only a cut-off one is."""

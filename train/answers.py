@@ -14,8 +14,9 @@ without the GGUF tokenizer's dependencies).
 Resumable: each `append` writes its records as one complete xz stream at the end of the file and fsyncs
 it; an xz file may hold several streams one after another (`xz -dc` reads them all). A run killed mid-write
 leaves at most a cut-off last stream, which `read_records` drops (and `repair` cuts off, through a temporary
-file and a rename), so nothing complete is lost and a rerun redoes only what was not written. A damaged
-stream is an error naming its byte, never dropped: streams after it may be whole.
+file and a rename), so nothing complete is lost and a rerun redoes only what was not written. A power loss
+can leave a write's blocks unwritten, read back as zero bytes at the file's end: they count as cut off too.
+A damaged stream is an error naming its byte, never dropped: streams after it may be whole.
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ def is_xz(path: str | os.PathLike) -> bool:
 
 
 def _looks_xz(data: bytes) -> bool:
-    """Whether `data` starts as an xz stream does (or is the start of one: a write cut off early)."""
-    return bool(data) and data[: len(XZ_MAGIC)] == XZ_MAGIC[: len(data)]
+    """Whether `data` starts as an xz stream does (or is the start of one: a write cut off early, or all
+    zero bytes: a first write lost to a power loss)."""
+    return bool(data) and (data[: len(XZ_MAGIC)] == XZ_MAGIC[: len(data)] or not data.strip(b"\0"))
 
 
 def _streams(data: bytes, path: Path) -> tuple[list[bytes], int]:
@@ -61,7 +63,10 @@ def _streams(data: bytes, path: Path) -> tuple[list[bytes], int]:
 
     Only running out of data ends the read quietly: that is all a write killed mid-append leaves. A stream
     the decoder rejects (a damaged byte, a failed check) is a UserError naming its byte, never a cut: with
-    complete streams after it, dropping it would drop them too, and `repair` would cut them off the file."""
+    complete streams after it, dropping it would drop them too, and `repair` would cut them off the file.
+    Zero bytes at the end are left out first: a power loss's unwritten blocks, after a whole stream or in
+    place of a cut-off one (a stream never ends in a zero byte: its footer ends in "YZ")."""
+    data = data.rstrip(b"\0")
     out, pos = [], 0
     while pos < len(data):
         dec = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
