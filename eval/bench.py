@@ -733,6 +733,14 @@ def _prompt_sha(prompt: dict) -> str:
     return hashlib.sha256(json.dumps(prompt, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+REPORT_FILES = (
+    "report.md",
+    "speedup.png",
+    "acceptance.png",
+    "draft_length.png",
+)  # eval.report.write_report's
+
+
 def check_out_dir(out_dir: Path, overwrite: bool) -> None:
     """A new run: refuse an --out holding an earlier one unless --overwrite (its records go when this run's
     first prompt is written, so a run refused or stopped before then changes nothing)."""
@@ -741,6 +749,13 @@ def check_out_dir(out_dir: Path, overwrite: bool) -> None:
         raise UserError(
             f"{out_dir} holds an earlier run ({', '.join(held)}): --resume continues it, --overwrite starts "
             "again, or give another --out"
+        )
+    # the report's other files, without a run's records: a user's report.md or plot would be replaced
+    other = [n for n in REPORT_FILES if (out_dir / n).exists()]
+    if other and not overwrite:
+        raise UserError(
+            f"{out_dir} holds {', '.join(other)}, which this run writes: --overwrite replaces it, or give "
+            "another --out"
         )
 
 

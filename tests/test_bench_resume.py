@@ -209,3 +209,9 @@ def test_bench_keeps_an_earlier_run_unless_told_to_overwrite(tmp_path, capsys):
     assert json.loads((tmp_path / "report.json").read_text())["config"]["n"] == 1
     code, err = exit_status(bench.main, argv, capsys)
     assert code == 2 and f"{tmp_path} holds an earlier run (records.jsonl, report.json)" in err
+    (tmp_path / "notes").mkdir()  # a folder holding a report.md of the user's (no records, no report.json)
+    (tmp_path / "notes" / "report.md").write_text("my notes")
+    argv[-1] = str(tmp_path / "notes")
+    code, err = exit_status(bench.main, argv, capsys)
+    assert code == 2 and f"{tmp_path / 'notes'} holds report.md, which this run writes" in err
+    assert (tmp_path / "notes" / "report.md").read_text() == "my notes"
