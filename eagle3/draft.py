@@ -142,6 +142,10 @@ class DraftConfig:
             )
         if d.get("num_hidden_layers", 1) != 1:
             raise UserError(f"{source}: num_hidden_layers={d['num_hidden_layers']}, an EAGLE-3 draft has 1")
+        if d.get("hidden_act", "silu") != "silu":  # vLLM's and SGLang's LlamaMLP refuse it too
+            raise UserError(
+                f"{source}: hidden_act={d['hidden_act']!r}; an EAGLE-3 draft's MLP is SwiGLU ('silu')"
+            )
         for key in ("hidden_size", "num_attention_heads", "vocab_size", "intermediate_size"):
             if key not in d:
                 raise UserError(f"{source}: missing field {key!r}")
@@ -152,13 +156,18 @@ class DraftConfig:
                 f"{source}: rope_scaling must be a JSON object or null, got {d['rope_scaling']!r}"
             )
         names = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: v for k, v in d.items() if k in names and k not in ("extra", "feature_layers")}
+        # a null count is derived as a missing one is (vLLM and SGLang read a null draft_vocab_size as the
+        # target's vocabulary); a null rope_scaling is no scaling
+        kw = {
+            k: v
+            for k, v in d.items()
+            if k in names and k not in ("extra", "feature_layers") and (v is not None or k == "rope_scaling")
+        }
         kw.setdefault("num_key_value_heads", d["num_attention_heads"])
         kw.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
         kw.setdefault("draft_vocab_size", d["vocab_size"])
         kw.setdefault("target_hidden_size", d["hidden_size"])
-        if kw.get("target_hidden_size") is None:
-            kw["target_hidden_size"] = d["hidden_size"]
+        kw.setdefault("rms_norm_eps", 1e-6)  # transformers' LlamaConfig default, which the engines build on
         rp = d.get("rope_parameters") or {}
         kw.setdefault("rope_theta", rp.get("rope_theta", 10000.0))
         if kw.get("rope_scaling") is None and rp.get("rope_type", "default") != "default":
@@ -190,7 +199,11 @@ _COUNTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_v
 #   norm_before_fc) and ignore norm_output, which has no tensor of its own: such a draft runs wrong there.
 # - SGLang's llama_eagle3 reads none of them and skips tensors it does not know: it would serve such a
 #   draft without its norms, with no error and a collapsed acceptance.
+# - SpecForge's `norm_output` means another thing: there `norm` goes before lm_head only when it is true, and the
+#   next draft step always reads the state before `norm`. Its EAGLE-3.1 drafts (fc_norm + norm_output) load
+#   here without an error but compute vLLM's function, not SpecForge's (the second draft step differs).
 # Serve a draft that sets any of them with this project or a current vLLM; an all-false draft loads everywhere.
+# The engines also size `fc` for exactly three feature layers: a draft of another count runs only here.
 NORM_VARIANTS = ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual")
 
 
@@ -208,6 +221,12 @@ def feature_layers_from_hf(d: dict, source: str = "config.json") -> tuple[int, .
             f"{source}: no {VLLM_AUX_KEY} (top level, vLLM's: the states entering those target layers) "
             f"and no eagle_config.{VLLM_AUX_KEY} (SGLang's: the outputs of those layers)"
         )
+    for key, ids in ((VLLM_AUX_KEY, top), (f"eagle_config.{VLLM_AUX_KEY}", nested)):
+        if ids is not None and any(a >= b for a, b in zip(ids, ids[1:])):
+            raise UserError(
+                f"{source}: {key} {ids} must increase: vLLM and SGLang concatenate the features in layer order "
+                "whatever order the config lists, so `fc` would read them in another order than it was trained on"
+            )
     if top is not None and nested is not None and [i + 1 for i in nested] != top:
         raise UserError(
             f"{source}: {VLLM_AUX_KEY} {top} (vLLM: states entering those layers) and "
@@ -231,17 +250,20 @@ def check_draft_fits(
             raise UserError(
                 f"{source}: {key}={mine}, but the target's {what} is {theirs}: a draft of another target"
             )
+    if config.hidden_size != target.hidden_size:  # it reads the target's token embeddings
+        raise UserError(
+            f"{source}: hidden_size={config.hidden_size}, but the target's embeddings (which the draft reads) "
+            f"are {target.hidden_size} wide; a draft with embeddings of its own size is not supported"
+        )
     check_feature_layers(config.feature_layers, target.num_hidden_layers, source)
 
 
 def check_feature_layers(
     feature_layers: tuple[int, ...], num_target_layers: int, source: str = "the draft's config.json"
 ) -> None:
-    """Before any work: every aux layer must exist in the target (index L = after its last layer).
-    `source` names where the ids came from: a config.json (the message names both keys) or an option."""
-    bad = [i for i in feature_layers if not 0 <= i <= num_target_layers]
-    if not bad:
-        return
+    """Before any work: every aux layer must exist in the target (index L = after its last layer), each
+    once, in increasing order (the serving engines concatenate features in layer order). `source` names where
+    the ids came from: a config.json (the message names both keys) or an option."""
     if source.startswith("--"):  # a command-line option, not a config file
         what = f"{source} {list(feature_layers)}"
     else:
@@ -249,9 +271,15 @@ def check_feature_layers(
             f"{source}: {VLLM_AUX_KEY} {list(feature_layers)} (states entering those target layers; "
             f"eagle_config.{VLLM_AUX_KEY} {[i - 1 for i in feature_layers]})"
         )
-    raise UserError(
-        f"{what} name layer(s) {bad} outside the target's {num_target_layers} layers (0..{num_target_layers})"
-    )
+    bad = [i for i in feature_layers if not 0 <= i <= num_target_layers]
+    if bad:
+        raise UserError(
+            f"{what} name layer(s) {bad} outside the target's {num_target_layers} layers (0..{num_target_layers})"
+        )
+    if any(a >= b for a, b in zip(feature_layers, feature_layers[1:])):
+        raise UserError(
+            f"{what} must increase, each layer once: vLLM and SGLang concatenate the features in layer order"
+        )
 
 
 _DERIVED = {
@@ -421,6 +449,7 @@ class Eagle3Draft(nn.Module):
 # ---- the released EAGLE-3 checkpoint format ----
 
 _OPTIONAL_KEYS = {"embed_tokens.weight"}  # some releases carry the target's embeddings; we share the target's
+EMBED_PROBE_ROWS = 64  # rows of a file's embed_tokens kept to compare with the target's (`embeddings_note`)
 
 
 def save_draft(
@@ -448,6 +477,7 @@ def load_draft(
     if not files:
         raise FileNotFoundError(f"no .safetensors file in draft directory {path}")
     sd: dict[str, Tensor] = {}
+    origin: dict[str, str] = {}  # the file each tensor came from
     with torch.device("meta"):
         draft = Eagle3Draft(cfg)
     expected = draft.state_dict()
@@ -467,10 +497,22 @@ def load_draft(
                 f"file in a draft directory and stops on them: keep other files outside it (a datastore: "
                 f"{path.name}.datastore.safetensors beside the directory)"
             )
+        if twice := sorted(set(sd) & set(tensors)):
+            raise UserError(
+                f"{f}: tensor(s) {twice[:5]} stand in {origin[twice[0]]} too: which is the draft's?"
+            )
         sd.update(tensors)
+        origin.update(dict.fromkeys(tensors, f.name))
     check_state_dict(expected, {k: v for k, v in sd.items() if k not in _OPTIONAL_KEYS}, f"{path} (draft)")
+    check_dtypes(sd, str(path))
     d2t, t2d = sd["d2t"].long(), sd["t2d"].bool()
     check_vocab_maps(d2t, t2d, str(path))
+    embed = sd.get("embed_tokens.weight")
+    if embed is not None and tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise UserError(
+            f"{path}: embed_tokens.weight is {list(embed.shape)}, not [vocab_size, hidden_size] = "
+            f"{[cfg.vocab_size, cfg.hidden_size]} of {cfg_file}"
+        )
     tensors = {
         k: (v.to(device) if k in ("d2t", "t2d") else v.to(device=device, dtype=dtype))
         for k, v in sd.items()
@@ -480,7 +522,47 @@ def load_draft(
     draft.load_state_dict(tensors, strict=True, assign=True)
     draft.inv_freq = _inv_freq(cfg).to(device)
     draft.source = str(cfg_file)
+    if embed is not None:  # a few rows, to say whether they are the target's (`embeddings_note`)
+        rows = torch.linspace(0, cfg.vocab_size - 1, min(EMBED_PROBE_ROWS, cfg.vocab_size)).long().unique()
+        draft.file_embed_rows = (rows, embed[rows].float())
     return draft.eval()
+
+
+def embeddings_note(draft: Eagle3Draft, target_embed: nn.Module) -> str | None:
+    """What to tell the user when the draft's file carries an `embed_tokens.weight` unlike the target's (None
+    when it carries none, or the target's): this project embeds the draft's tokens with the target's table
+    (vLLM would keep the draft's own, SGLang shares the target's). Compared on a few rows, in fp32, to 1e-2
+    of their largest value: a bf16 copy of the target's table or a quantized target's passes. `target_embed` is
+    the target's embedding module, called (a vocabulary-parallel one gathers its rows: call on every rank)."""
+    if getattr(draft, "file_embed_rows", None) is None:
+        return None
+    rows, mine = draft.file_embed_rows
+    with torch.no_grad():
+        theirs = target_embed(rows.to(target_embed.weight.device)).float().cpu()
+    diff = float((mine - theirs).abs().max())
+    if diff <= 1e-2 * max(float(theirs.abs().max()), 1e-30):
+        return None
+    return (
+        f"{draft.source}: the draft's weights carry an embed_tokens.weight unlike the target's (max difference "
+        f"{diff:.3g} on {len(rows)} rows); the target's is used (vLLM would use the draft's own)"
+    )
+
+
+def check_dtypes(sd: dict[str, Tensor], source: str) -> None:
+    """Weights are floating point, d2t integers, t2d booleans (or integers of 0 and 1): anything else was
+    written by mistake, and casting it would load numbers no one trained."""
+    for k, v in sd.items():
+        if k == "d2t":
+            ok = not v.is_floating_point() and not v.is_complex() and v.dtype != torch.bool
+        elif k == "t2d":
+            ok = v.dtype == torch.bool or (
+                not v.is_floating_point() and not v.is_complex() and bool(((v == 0) | (v == 1)).all())
+            )
+        else:
+            ok = v.is_floating_point()
+        if not ok:
+            want = {"d2t": "integers", "t2d": "booleans"}.get(k, "floating point")
+            raise UserError(f"{source}: {k} is {str(v.dtype).removeprefix('torch.')}, not {want}")
 
 
 def draft_dir(path: str | os.PathLike) -> Path:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -39,7 +40,7 @@ from torch import Tensor
 
 from eagle3.compiled_draft import CompiledDraft
 from eagle3.datastore import Datastore
-from eagle3.draft import Eagle3Draft, check_draft_fits
+from eagle3.draft import Eagle3Draft, check_draft_fits, embeddings_note
 from eagle3.lookup import LookupConfig, NgramIndex
 from eagle3.sampling import (
     tree_attention_mask,
@@ -178,6 +179,8 @@ class SpecDecoder:
         check_draft_fits(draft.config, target.config, draft.source)
         self.target, self.draft = target, draft
         self.embed = target.model.embed_tokens
+        if note := embeddings_note(draft, self.embed):
+            warnings.warn(note, stacklevel=2)
         self.feature_layers = tuple(draft.config.feature_layers)
         self.max_len = max_len
         self.policy = policy if policy is not None else FixedK(4)

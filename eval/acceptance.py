@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from eagle3.draft import DEFAULT_DRAFT, check_draft_fits, load_draft
+from eagle3.draft import DEFAULT_DRAFT, check_draft_fits, embeddings_note, load_draft
 from eval.prompts import BENCHMARKS, answer_text, chat_ids, check_prompts_option, load_benchmark
 from maverick.aot import cpu_name
 from maverick.cli import (
@@ -145,6 +145,8 @@ def _main(args, sampling: SamplingParams, dtype: torch.dtype, shard) -> dict[str
     drafts = {path: load_draft(path, dtype=dtype, device=str(model.device)) for path in args.draft}
     for draft in drafts.values():
         check_draft_fits(draft.config, model.config, draft.source)
+        if note := embeddings_note(draft, model.model.embed_tokens):
+            print(f"note: {note}", file=sys.stderr)
     bench = load_benchmark(args.bench, args.n, args.prompts)
     t0 = time.perf_counter()
     target = args.target or default_target_path()

@@ -104,3 +104,96 @@ def test_not_an_eagle3_config(tmp_path):
     (path / "config.json").write_text(json.dumps(dict(c, architectures=["LlamaForCausalLM"])))
     with pytest.raises(ValueError, match="not an EAGLE-3 draft"):
         load_draft(path)
+
+
+def test_outside_configs_read_as_the_engines_read_them(tmp_path):
+    """Null counts gave a bare TypeError (the engines read a null draft_vocab_size as the whole vocabulary); a
+    config without rms_norm_eps took 1e-5 where transformers' LlamaConfig (and so vLLM, SGLang, SpecForge)
+    take 1e-6; feature ids out of layer order loaded though the engines concatenate in layer order (the
+    draft's argmax then agreed at 18% of positions); hidden_act 'gelu' ran SiLU."""
+    from maverick.cli import UserError
+
+    _, path = make(tmp_path, draft_vocab=512)  # tiny-dense's whole vocabulary
+    cfg = path / "config.json"
+    base = json.loads(cfg.read_text())
+    for key in ("draft_vocab_size", "head_dim", "target_hidden_size"):  # derived: vocab, H / heads, H
+        cfg.write_text(json.dumps(base | {key: None}))
+        assert getattr(load_draft(path).config, key) == base[key]
+    cfg.write_text(json.dumps({k: v for k, v in base.items() if k != "rms_norm_eps"}))
+    assert load_draft(path).config.rms_norm_eps == 1e-6
+    for key, ids in (
+        ("eagle_aux_hidden_state_layer_ids", [3, 2, 1]),
+        ("eagle_aux_hidden_state_layer_ids", [1, 1, 3]),
+    ):
+        cfg.write_text(json.dumps(base | {key: ids, "eagle_config": {}}))
+        with pytest.raises(UserError, match=rf"{cfg}: {key} \[{ids[0]}, .*must increase"):
+            load_draft(path)
+    cfg.write_text(json.dumps(base | {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 0, 1]}}))
+    del_top = json.loads(cfg.read_text())
+    del del_top["eagle_aux_hidden_state_layer_ids"]
+    cfg.write_text(json.dumps(del_top))
+    with pytest.raises(
+        UserError, match=r"eagle_config.eagle_aux_hidden_state_layer_ids \[2, 0, 1\] must increase"
+    ):
+        load_draft(path)
+    cfg.write_text(json.dumps(base | {"hidden_act": "gelu"}))
+    with pytest.raises(UserError, match=f"{cfg}: hidden_act='gelu'"):
+        load_draft(path)
+    cfg.write_text(json.dumps(base))
+    assert load_draft(path).config.rms_norm_eps == base["rms_norm_eps"]  # the control
+
+
+def test_feature_layers_option_must_increase():
+    from eagle3.draft import check_feature_layers
+    from maverick.cli import UserError
+
+    check_feature_layers((1, 2, 4), 4, "--feature-layers")
+    for ids in ((4, 2, 1), (2, 2, 3)):
+        with pytest.raises(UserError, match=r"--feature-layers \[.*\] must increase, each layer once"):
+            check_feature_layers(ids, 4, "--feature-layers")
+
+
+def test_draft_files_dtypes_duplicates_and_embeddings(tmp_path):
+    """Weights of any dtype were cast in (an int8 fc, a float t2d of 0.5s); a tensor in two weight files
+    loaded the later one's; a draft hidden size unlike the target's stopped deep in a matmul; a file's own
+    embed_tokens of any shape was dropped without a word."""
+    from eagle3.draft import check_draft_fits, embeddings_note
+    from maverick.cli import UserError
+    from maverick.model import Llama4
+
+    d, path = make(tmp_path)
+    sd = load_file(str(path / "model.safetensors"))
+    for key, value, dtype in (
+        ("fc.weight", sd["fc.weight"].to(torch.int8), "int8"),
+        ("t2d", sd["t2d"].float() / 2, "float32"),
+        ("d2t", sd["d2t"].float(), "float32"),
+        ("lm_head.weight", sd["lm_head.weight"] > 0, "bool"),
+    ):
+        save_file(dict(sd, **{key: value}), str(path / "model.safetensors"))
+        with pytest.raises(UserError, match=f"{path}: {key} is {dtype}, not"):
+            load_draft(path)
+    save_file(dict(sd, t2d=sd["t2d"].to(torch.uint8), d2t=sd["d2t"].int()), str(path / "model.safetensors"))
+    assert torch.equal(load_draft(path).t2d, d.t2d)  # integer maps of 0/1 and offsets load
+    save_file(sd, str(path / "model.safetensors"))
+    save_file({"fc.weight": torch.zeros_like(sd["fc.weight"])}, str(path / "model-2.safetensors"))
+    with pytest.raises(
+        UserError, match=r"model.safetensors: tensor\(s\) \['fc.weight'\] stand in model-2.safetensors too"
+    ):
+        load_draft(path)
+    (path / "model-2.safetensors").unlink()
+
+    target = Llama4(get_config("tiny-dense"))
+    cfg = json.loads((path / "config.json").read_text())
+    with pytest.raises(UserError, match="hidden_size=32, but the target's embeddings .* are 64 wide"):
+        check_draft_fits(DraftConfig.from_hf_dict(cfg | {"hidden_size": 32}), target.config)
+    save_file(dict(sd, **{"embed_tokens.weight": torch.zeros(7, 3)}), str(path / "model.safetensors"))
+    with pytest.raises(UserError, match=r"embed_tokens.weight is \[7, 3\], not \[vocab_size, hidden_size\]"):
+        load_draft(path)
+    own = target.model.embed_tokens.weight.detach()
+    for embed, note in ((own.bfloat16(), False), (own + 0.5, True)):
+        save_file(dict(sd, **{"embed_tokens.weight": embed.contiguous()}), str(path / "model.safetensors"))
+        got = embeddings_note(load_draft(path), target.model.embed_tokens)
+        assert (got is not None) == note
+    assert "carry an embed_tokens.weight unlike the target's" in got
+    save_file(sd, str(path / "model.safetensors"))
+    assert embeddings_note(load_draft(path), target.model.embed_tokens) is None

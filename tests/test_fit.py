@@ -343,6 +343,24 @@ def test_grad_accumulation_equals_one_big_batch(tiny, tmp_path):
     assert all(torch.allclose(a[k].float(), b[k].float(), atol=5e-6, rtol=0) for k in a)
 
 
+def test_init_draft_keeps_its_positions_and_norms(tiny, tmp_path):
+    """--init-draft rebuilt the draft's config from the target's: an outside draft's rope_theta, rope_scaling
+    and rms_norm_eps (SpecForge's Llama-3 configs leave rope_theta out: 10000 against the target's 500000)
+    were replaced without a word, so training went on from another function (logits 0.1 apart, argmax 0.865
+    in the review's example). train.stage kept them already."""
+    run(tiny, tmp_path / "a", steps=2)
+    cfg_file = tmp_path / "a" / "draft" / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    mine = {"rope_theta": 1234.0, "rms_norm_eps": 1e-3, "max_position_embeddings": 777}
+    assert all(cfg[k] != v for k, v in mine.items())
+    cfg_file.write_text(json.dumps(cfg | mine))
+    run(tiny, tmp_path / "b", steps=2, lr=0.0, init_draft=str(tmp_path / "a" / "draft"))
+    got = json.loads((tmp_path / "b" / "draft" / "config.json").read_text())
+    assert {k: got[k] for k in mine} == mine
+    a, b = draft_weights(tmp_path / "a"), draft_weights(tmp_path / "b")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_init_draft_continues_from_saved_weights(tiny, tmp_path):
     """--init-draft: a run that starts from a saved draft with lr 0 ends with exactly its weights; with a
     learning rate its first loss is that draft's loss on the first batch (below a random draft's). A draft

@@ -546,8 +546,13 @@ def build_draft(
     if src is not None and not cfg.new_vocab:  # a continued draft keeps its vocabulary, as in train.stage
         d2t, t2d = src.d2t.cpu(), src.t2d.cpu()
         log.info("%s: its draft vocabulary (%d tokens) is kept", cfg.init_draft, d2t.numel())
+    # a continued draft keeps the positions and norms it was trained with (train.stage does too): an outside
+    # draft's rope_theta or eps may differ from the target's (SpecForge's Llama-3 configs leave rope_theta out)
+    kept = {k: getattr(src.config, k) for k in INIT_KEEPS} if src is not None else {}
+    if differ := [k for k in INIT_KEEPS if src is not None and kept[k] != getattr(target_cfg, k)]:
+        log.info("%s: its %s kept (the target's differ)", cfg.init_draft, ", ".join(differ))
     dcfg = DraftConfig.for_target(
-        target_cfg, draft_vocab_size=int(d2t.numel()), feature_layers=feature_layers, **variants
+        target_cfg, draft_vocab_size=int(d2t.numel()), feature_layers=feature_layers, **variants, **kept
     )
     draft = Eagle3Draft(dcfg)
     draft.init_weights(std=cfg.init_std, generator=torch.Generator().manual_seed(cfg.seed))
@@ -567,6 +572,8 @@ def build_draft(
     return draft
 
 
+# the DraftConfig fields an --init-draft keeps over the target's (for_target's defaults)
+INIT_KEEPS = ("rope_theta", "rope_scaling", "rms_norm_eps", "max_position_embeddings")
 EAGLE31 = {"fc_norm": True, "norm_output": True}  # the DraftConfig fields of EAGLE-3.1's two norms
 
 
