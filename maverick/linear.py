@@ -101,12 +101,45 @@ def _(x: Tensor, packed: Tensor) -> Tensor:
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear`, through the packed weight when `use_packed` says so (same result, see module docstring),
     row-count safe (`row_safe`) as `fused_linear` is: layers with a bias, FP8 weight-only layers (on AMD EPYC
-    a [576, 1536] weight's one-row calls take another kernel than calls of 2 or more)."""
+    a [576, 1536] weight's one-row calls take another kernel than calls of 2 or more), fp32 layers."""
     if use_packed(x, weight):
         packed = packed_weight(weight)
         kind = "packed" if bias is None else "packed+bias"
         return row_safe(lambda c: packed_linear(c, packed, bias), kind, tuple(weight.shape), x.dtype)(x)
+    if use_fp32_rows(x, [weight]):
+        kind = "fp32" if bias is None else "fp32+bias"
+        return row_safe(lambda c: F.linear(c, weight, bias), kind, tuple(weight.shape), x.dtype)(x)
     return F.linear(x, weight, bias)
+
+
+def weight_matmul(x: Tensor, w: Tensor) -> Tensor:
+    """x @ w for a [K, N] weight (the MoE's experts, stored [E, K, N] as HF stores them), row-count safe
+    (`row_safe`) in few-row CPU inference: an expert's rows of a verify must have the bits they have alone
+    (fp32: 14 of 32 tiny-MoE verifies differed from decoding their tokens one by one)."""
+    if (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and w.dtype == x.dtype
+        and 0 < x.numel() <= PACKED_MAX_ROWS * x.shape[-1]
+        and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+        and not torch.compiler.is_compiling()
+    ):
+        return row_safe(lambda c: c @ w, "matmul", (w.shape[1], w.shape[0]), x.dtype)(x)
+    return x @ w
+
+
+def use_fp32_rows(x: Tensor, weights: Sequence[Tensor]) -> bool:
+    """Whether a few-row fp32 CPU inference call goes through `row_safe` `F.linear`: MKL's fp32 GEMM gives a
+    row other bits in a call of 9 rows than alone (every shape tried, up to 6e-6), so an fp32 target's
+    verify would not be its decoding, and greedy speculative decoding not plain decoding's tokens."""
+    return (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and all(w.dtype == torch.float32 and w.device.type == "cpu" for w in weights)
+        and x.numel() <= PACKED_MAX_ROWS * x.shape[-1]
+        and not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)))
+        and not torch.compiler.is_compiling()
+    )
 
 
 def group_linear(x: Tensor, weights: Sequence[Tensor]) -> Tensor:
@@ -140,10 +173,13 @@ def fused_linear(x: Tensor, layers: Sequence[nn.Module]) -> Tensor:
             if pack is not None:
                 fn = row_safe(lambda x: codes_matmul(x, pack), "codes", pack.shape, x.dtype)
         weights = [layer.weight for layer in layers]
+        shape = (sum(w.shape[0] for w in weights), weights[0].shape[1])
         if fn is None and all(use_packed(x, w) for w in weights):
             packed = packed_weights(weights)
-            shape = (sum(w.shape[0] for w in weights), weights[0].shape[1])
             fn = row_safe(lambda x: packed_linear(x, packed, None), "packed", shape, x.dtype)
+        if fn is None and use_fp32_rows(x, weights):
+            kind = "fp32" if len(weights) == 1 else f"fp32x{len(weights)}"  # a group: a call per weight
+            fn = row_safe(lambda x: group_linear(x, weights), kind, shape, x.dtype)
         if fn is not None:
             _remember(x, layers, fn)
             return fn(x)

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from maverick.config import Llama4Config
 from maverick.decode_attention import decode_attention
 from maverick.kv_cache import KVCache, attention_mask
-from maverick.linear import Linear, fused_linear, short_linear
+from maverick.linear import Linear, fused_linear, short_linear, weight_matmul
 
 
 def init_weights(module: nn.Module, std: float = 0.02, generator: torch.Generator | None = None) -> None:
@@ -346,8 +346,8 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, I, H))
 
     def expert(self, e: int, x_ND: Tensor) -> Tensor:
-        gate_NI, up_NI = (x_ND @ self.gate_up_proj[e]).chunk(2, dim=-1)
-        return (F.silu(gate_NI) * up_NI) @ self.down_proj[e]
+        gate_NI, up_NI = weight_matmul(x_ND, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return weight_matmul(F.silu(gate_NI) * up_NI, self.down_proj[e])
 
     def grouped(self, x_sorted_ND: Tensor, counts_E: list[int]) -> Tensor:
         """Tokens sorted by expert, counts per expert -> outputs in the same order."""
