@@ -358,6 +358,14 @@ class Eagle3Draft(nn.Module):
                              else torch.zeros(c.vocab_size, dtype=torch.bool))  # fmt: skip
         self.register_buffer("inv_freq", _inv_freq(c), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        """As `Llama4._apply`: the RoPE frequencies stay fp32 under `.to(dtype)` (rounded to bf16, cos of the
+        angle at position 1000 was 1.1 off)."""
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:
+            self.inv_freq = _inv_freq(self.config).to(self.inv_freq.device)
+        return self
+
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
         init_weights(self, std, generator)
 

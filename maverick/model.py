@@ -372,7 +372,8 @@ class MoE(nn.Module):
 
     def route(self, x_ND: Tensor) -> tuple[Tensor, Tensor]:
         logits_NE = self.router(x_ND)
-        top_N, expert_N = logits_NE.max(dim=-1)
+        # topk, not max: a tie (bf16 logits tie often) goes to the expert HF's and Meta's router choose
+        top_N, expert_N = (t[:, 0] for t in logits_NE.topk(1, dim=-1))
         score_N = torch.sigmoid(top_N.float()).to(x_ND.dtype)  # no renormalisation, no bias
         return expert_N, score_N
 
@@ -493,6 +494,14 @@ class Llama4(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        """`.to(dtype)` (`.bfloat16()`, ...) casts every floating buffer: the RoPE frequencies are made again in
+        fp32, as the loaders make them (rounded to bf16 they moved greedy outputs after 6-20 tokens)."""
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:
+            self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
+        return self
 
     @property
     def dtype(self) -> torch.dtype:

@@ -636,3 +636,40 @@ def test_a_verify_gives_each_token_the_bits_of_decoding_it_alone(name, dtype):
                 if not torch.equal(verify, one):
                     bad.append((start, T, float((verify.float() - one.float()).abs().max())))
     assert not bad
+
+
+def test_router_ties_go_to_hfs_expert(tmp_path):
+    """Two experts' router rows made equal tie for every token: we took the lowest index (`max`), HF's and
+    Meta's router the one `topk` gives, another on CPU for small expert counts (38 of 40 positions' logits
+    unlike HF's, max 4.97; in bf16 with 16 experts natural ties moved 982 of 2048 positions)."""
+    cfg = tiny(num_local_experts=16, interleave_moe_layer_step=1, moe_layers=None)
+    torch.manual_seed(1)
+    hf = Llama4ForCausalLM(hf_text_config(cfg)).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            r = layer.feed_forward.router.weight
+            r[9] = r[3] * 3.0  # experts 3 and 9 tie, and mostly win
+            r[3] *= 3.0
+    hf.save_pretrained(tmp_path)
+    ours = load_hf(tmp_path)
+    x = torch.randint(0, cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert rel_err(ours(x).logits, hf(x).logits) < 1e-5
+
+
+def test_rope_frequencies_stay_fp32_under_to_dtype():
+    """`.to(torch.bfloat16)` rounded the RoPE frequencies buffer (the loaders make it in fp32): a GGUF target
+    loaded in fp32 and cast gave other greedy tokens than one loaded in bf16 after 6-20 tokens, and a draft's
+    cos at position 1000 was 1.1 off. Casting back to fp32 did not restore them."""
+    from eagle3.draft import DraftConfig, Eagle3Draft
+    from maverick.model import rope_inv_freq
+
+    cfg = tiny(rope_theta=500000.0)
+    m = Llama4(cfg)
+    d = Eagle3Draft(DraftConfig.for_target(cfg, draft_vocab_size=64, feature_layers=(1, 2, 3)))
+    want = rope_inv_freq(cfg)
+    for cast in (lambda x: x.to(torch.bfloat16), lambda x: x.half(), lambda x: x.float()):
+        m, d = cast(m), cast(d)
+        assert m.inv_freq.dtype == d.inv_freq.dtype == torch.float32
+        assert torch.equal(m.inv_freq, want) and torch.equal(d.inv_freq, want)
+    assert m.model.embed_tokens.weight.dtype == torch.float32  # the weights did follow
