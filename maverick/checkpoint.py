@@ -171,6 +171,12 @@ def build_model(
         _use_fp8_experts_where_stored(model, state_dict, dtype)
     expected = dict(model.state_dict())
     tied = cfg.tie_word_embeddings
+    head, embed = state_dict.get("lm_head.weight"), state_dict.get("model.embed_tokens.weight")
+    if tied and head is not None and embed is not None and head is not embed and not torch.equal(head, embed):
+        # transformers keeps a stored head; we tie: refused as the Llama loader refuses it
+        raise CheckpointError(
+            f"{source}: tie_word_embeddings=true but key 'lm_head.weight' differs from 'model.embed_tokens.weight'"
+        )
     if tied:
         expected.pop("lm_head.weight", None)
         state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}

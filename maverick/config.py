@@ -190,19 +190,35 @@ class Llama4Config:
         if hf_defaults:
             d = HF_TEXT_DEFAULTS | d
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        # HF v5 keeps rope_theta / scaling in `rope_parameters`; older files use rope_theta + rope_scaling.
+        # HF v5 keeps rope_theta / scaling in `rope_parameters`; older files use rope_theta + rope_scaling. As
+        # transformers reads them: a non-empty rope_scaling wins, and the winner's rope_theta over the top level
         rp = d.pop("rope_parameters", None)
-        if rp:
+        if rp and not d.get("rope_scaling"):  # null too
             rp = dict(rp)
             if "rope_theta" in rp:
-                d.setdefault("rope_theta", rp.pop("rope_theta"))
-            if rp.get("rope_type", "default") != "default" and not d.get("rope_scaling"):  # null too
+                d["rope_theta"] = rp.pop("rope_theta")
+            if rp.get("rope_type", "default") != "default":
                 d["rope_scaling"] = rp
+        elif d.get("rope_scaling") and "rope_theta" in d["rope_scaling"]:
+            d["rope_scaling"] = dict(d["rope_scaling"])
+            d["rope_theta"] = d["rope_scaling"].pop("rope_theta")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported (SwiGLU with silu only)")
         if d.get("head_dim") is None and "hidden_size" in d and "num_attention_heads" in d:
             d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
         kwargs = {k: v for k, v in d.items() if k in names}
         extra = {k: v for k, v in d.items() if k not in names}
-        return cls(**kwargs, extra=extra)
+        cfg = cls(**kwargs, extra=extra)
+        # transformers masks by the given layer_types (chunked only with a chunk size); we derive them
+        given = extra.get("layer_types")
+        chunked = [cfg.is_chunked(i) for i in range(cfg.num_hidden_layers)]
+        if given is not None and [t == "chunked_attention" and cfg.attention_chunk_size is not None
+                                  for t in given] != chunked:  # fmt: skip
+            raise ValueError(
+                f"layer_types {given} differ from what no_rope_layers and attention_chunk_size make of the layers "
+                f"(chunked: {chunked}); layer types of their own are not supported"
+            )
+        return cfg
 
     def to_hf_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}

@@ -66,10 +66,12 @@ def is_llama(d: dict[str, Any]) -> bool:
 
 
 def _rope(d: dict[str, Any], source: str) -> tuple[float, dict | None]:
-    """(rope_theta, our rope_scaling) from HF v5 `rope_parameters` or older `rope_theta` + `rope_scaling`."""
-    rp, field = d.get("rope_parameters"), "rope_parameters"
-    if rp is None:
-        rp, field = d.get("rope_scaling") or {}, "rope_scaling"
+    """(rope_theta, our rope_scaling) from HF v5 `rope_parameters` or older `rope_theta` + `rope_scaling`, read
+    as transformers reads them: a non-empty `rope_scaling` wins over `rope_parameters`, and the winner's
+    rope_theta over the top-level one."""
+    rp, field = d.get("rope_scaling"), "rope_scaling"
+    if not rp:
+        rp, field = d.get("rope_parameters") or {}, "rope_parameters"
     rp = dict(rp)
     theta = float(rp.pop("rope_theta", d.get("rope_theta", 10000.0)))
     rtype = rp.pop("rope_type", rp.pop("type", "default"))

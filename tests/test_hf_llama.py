@@ -273,3 +273,21 @@ def test_pickle_only_directory_is_refused(tmp_path):
     (tmp_path / "bin" / "pytorch_model.bin").write_bytes(b"not read")
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         load_hf(tmp_path / "bin")
+
+
+def test_rope_scaling_wins_over_rope_parameters_as_in_transformers(tmp_path):
+    """A config.json with both a default `rope_parameters` and a llama3 `rope_scaling`: transformers takes the
+    rope_scaling (`rope_scaling or rope_parameters`), we took the default (logits 5.0 apart)."""
+    hf = make_hf(tmp_path)
+    cfg_file = tmp_path / "config.json"
+    d = json.loads(cfg_file.read_text())
+    assert d["rope_parameters"]["rope_type"] == "default"
+    cfg_file.write_text(json.dumps(d | {"rope_scaling": LLAMA3}))
+    ref = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert ref.config.rope_parameters["rope_type"] == "llama3"
+    ours = load_hf(tmp_path)
+    assert ours.config.rope_scaling["rope_type"] == "llama3"
+    x = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert rel_err(ours(x).logits, ref(x).logits) < 1e-5
+    del hf

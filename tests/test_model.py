@@ -673,3 +673,33 @@ def test_rope_frequencies_stay_fp32_under_to_dtype():
         assert m.inv_freq.dtype == d.inv_freq.dtype == torch.float32
         assert torch.equal(m.inv_freq, want) and torch.equal(d.inv_freq, want)
     assert m.model.embed_tokens.weight.dtype == torch.float32  # the weights did follow
+
+
+def test_config_fields_transformers_honours_are_read_as_it_reads_them_or_refused(tmp_path):
+    """Each of these loaded without a word and computed another model than transformers': hidden_act 'gelu'
+    (logits 2.7 apart), layer_types of their own (6.8), a top-level rope_theta beside rope_parameters'
+    (we took the top-level one; transformers the rope_parameters one), tie_word_embeddings true with a
+    stored head unlike the embeddings (transformers keeps the head; we tied)."""
+    from maverick.checkpoint import hf_model_config
+
+    cfg = tiny()
+    make_hf(cfg, tmp_path)
+    cfg_file = tmp_path / "config.json"
+    base = json.loads(cfg_file.read_text())
+    assert load_hf(tmp_path).config.rope_theta == cfg.rope_theta  # the control
+    for edit, error in (
+        ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+        (
+            {"layer_types": ["full_attention"] * cfg.num_hidden_layers},
+            "layer types of their own are not supported",
+        ),
+    ):
+        cfg_file.write_text(json.dumps(base | edit))
+        with pytest.raises(CheckpointError, match=f"{cfg_file}: .*{error}"):
+            load_hf(tmp_path)
+    rp = base["rope_parameters"] | {"rope_theta": 123456.0}
+    cfg_file.write_text(json.dumps(base | {"rope_theta": 10000.0, "rope_parameters": rp}))
+    assert hf_model_config(tmp_path)[0].rope_theta == 123456.0
+    cfg_file.write_text(json.dumps(base | {"tie_word_embeddings": True}))
+    with pytest.raises(CheckpointError, match="tie_word_embeddings=true but key 'lm_head.weight' differs"):
+        load_hf(tmp_path)
