@@ -88,7 +88,8 @@ def test_grouped_layers_and_fallbacks():
         torch.testing.assert_close(layers[0](big), big @ layers[0].weight.T, rtol=0, atol=0)
         layers[0].weight.mul_(2)
         assert live_pack(layers[0], "codes") is None
-        torch.testing.assert_close(layers[0](x), x @ layers[0].weight.T, rtol=0, atol=0)
+        # the written dense weight (fp32 few-row calls run row-count safe: their bits are not one 4-row call's)
+        torch.testing.assert_close(layers[0](x), x @ layers[0].weight.T)
     y = layers[1](x.requires_grad_())
     y.sum().backward()
     torch.testing.assert_close(x.grad, layers[1].weight.sum(0).expand(4, -1))
