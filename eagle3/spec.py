@@ -52,7 +52,7 @@ from eagle3.sampling import (
 from eagle3.tuner import DraftLengthTuner, FixedK, RankAgreed
 from maverick.cli import UserError
 from maverick.compiled import for_engine
-from maverick.generate import Generation, check_lengths, decode_window, prefill
+from maverick.generate import Generation, check_lengths, decode_window, prefill, stop_set
 from maverick.model import EXACT_ATTENTION_MAX_T, Llama4
 from maverick.sampling import SamplingParams, logits_to_probs, sample
 
@@ -323,7 +323,7 @@ class SpecDecoder:
         if self.lookup is not None:
             index = [NgramIndex(self.lookup, list(p) + o) for p, o in zip(prompts, outs)]
             streak = [False] * B  # the row's last copy was accepted in full
-        stop = set(stop_ids)
+        stop = stop_set(stop_ids)
         # a row is done at a stop token or its budget; done rows of a batch ride along frozen (_chain_cycle)
         done = [o[-1] in stop or len(o) >= max_new_tokens for o in outs]
         while not all(done):

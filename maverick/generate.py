@@ -105,6 +105,14 @@ def decode_window(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_len
     return min(max_len, -(-need // 64) * 64)
 
 
+def stop_set(stop_ids) -> set[int]:
+    """The stop tokens as ints. A tensor's or an array's elements hash by identity, not value: a set of them
+    never holds a token id, and a generation given them would run on to its budget."""
+    if hasattr(stop_ids, "tolist"):  # a tensor or a numpy array, of any shape
+        stop_ids = stop_ids.reshape(-1).tolist()
+    return {int(t) for t in stop_ids}
+
+
 class Decoder:
     """Holds a model, its static cache and the (optionally compiled) one-token step."""
 
@@ -164,7 +172,7 @@ class Decoder:
         logits, _ = prefill(self.model, self.cache, prompts)
         out = [[] for _ in range(B)]
         done = [False] * B
-        stop = set(stop_ids)
+        stop = stop_set(stop_ids)
         ttft = 0.0
         live = list(range(B))  # cache row j holds prompt live[j]
         for i in range(max_new_tokens):

@@ -249,6 +249,23 @@ def test_batch_rows_that_finish_early_stay_frozen(target):
     assert all(len(r) == 1 for r in got.stats["spec"].accepted_rows[-3:])  # only row 1's counted at the end
 
 
+def test_stop_ids_as_a_tensor_or_an_array_stop_both_decoders(target):
+    """A tensor's (or numpy array's) elements hash by identity: `set(stop_ids)` never held a token id, and
+    both decoders ran on to the budget (seen: 30 of 30 tokens where a list stops at 6)."""
+    import numpy as np
+
+    p = prompts(1)[0]
+    ref = Decoder(target, max_len=128).generate([p], 30).tokens[0]
+    stop = [ref[6]]
+    want = ref[: ref.index(stop[0]) + 1]
+    assert len(want) < 30  # the control: a list stops it
+    dec = Decoder(target, max_len=128)
+    spec = SpecDecoder(target, make_draft(target), max_len=128, policy=FixedK(3))
+    for given in (torch.tensor(stop), np.array(stop), torch.tensor(stop[0])):
+        assert dec.generate([p], 30, stop_ids=given).tokens[0] == want
+        assert spec.generate([p], 30, stop_ids=given).tokens[0] == want
+
+
 def test_tree_for_sampling_is_cut_to_two_children_and_the_budget():
     tree = TreeConfig(3, 4, 12)
     assert tree.for_sampling(None) is tree and tree.for_sampling(SamplingParams()) is tree
