@@ -483,7 +483,7 @@ class SpecDecoder:
         stats.cut.append(0)
         stats.accepted_rows.append([a for a, v in zip(acc_l, live) if v])
         stats.draft_lengths.append(lens[0])
-        stats.lookup_rows.append(len(copied))
+        stats.lookup_rows.append(sum(1 for p in proposals if p))  # a finished row's [] is no copy
         stats.draft_seconds += (t1 - t0) + (t3 - t2)
         stats.verify_seconds += t2 - t1
         return emitted, h, y

@@ -117,6 +117,21 @@ def test_the_policys_realised_rate_counts_copied_cycles(target, policy, tree):
     assert pol.seconds == pytest.approx(st.draft_seconds + st.verify_seconds, rel=1e-9)
 
 
+def test_a_finished_row_of_a_batch_is_not_counted_as_copied(target):
+    """A finished row rides along with the proposal [] (no draft); lookup_rows counted it as a copied row
+    (seen: a lookup that can never match, yet lookup_cycles 35 of 39 once row 0 had stopped at its 5th token)."""
+    from tests.test_spec import prompts
+
+    ps = prompts(2, vocab=64)
+    stop = [Decoder(target, max_len=160).generate(ps[:1], 40).tokens[0][4]]
+    never = LookupConfig(min_ngram=40, max_ngram=40)  # no 40-gram recurs in 21 + 40 tokens
+    dec = SpecDecoder(target, make_draft(target), max_len=160, policy=FixedK(3), lookup=never)
+    got = dec.generate(ps, 40, stop_ids=stop)
+    st = got.stats["spec"]
+    assert len(got.tokens[0]) <= 5 and any(len(r) == 1 for r in st.accepted_rows)  # row 0 finished first
+    assert st.lookup_rows == [0] * st.cycles and st.lookup_cycles == 0
+
+
 def test_lookup_streak_copies_longer_after_a_full_accept(target):
     """streak_tokens: a copy that follows a fully accepted copy drafts streak_tokens, any other max_tokens;
     the output stays plain decoding's."""
