@@ -132,7 +132,8 @@ class SpecDecoder:
 
     policy: an object with choose_k / record_draft / record_verify / record_acceptance (eagle3/tuner.py:
     FixedK, HeuristicK, DraftLengthTuner; with a tensor parallel target a DraftLengthTuner's choices are rank
-    0's, eagle3.tuner.RankAgreed). tree: a TreeConfig to draft trees instead of chains (batch 1),
+    0's, eagle3.tuner.RankAgreed); the caches and verifies are sized for the longest k it declares (its
+    choices, k_max or k; 8 if none), and a longer choose_k is refused. tree: a TreeConfig to draft trees instead of chains (batch 1),
     or several: tuned trees, the policy's `choose_tree` picking one per cycle by its measured tokens per
     second (a DraftLengthTuner with these as its tree_configs; made here when policy is None).
     compile_draft: on CPU, the draft's cache calls (one-token steps and catch-ups) as one compiled graph
@@ -220,6 +221,7 @@ class SpecDecoder:
                 f"{EXACT_ATTENTION_MAX_T - 1} tokens (maverick.model.EXACT_ATTENTION_MAX_T)"
             )
         self.k_max = k_max  # the most tokens a cycle verifies, the last committed one aside
+        self._k_max_from = what
         cuda = next(draft.parameters()).is_cuda
         # on CPU the draft's cache calls (chain steps and catch-ups) run as one compiled graph, a tree's masked
         # expansion eagerly on the slots in use; on CUDA (where a draft step is launch-bound: CUDA graphs) the
@@ -390,6 +392,19 @@ class SpecDecoder:
         lengths = range(1, cap + 1) if rows is None else [r - 1 for r in rows if 1 <= r - 1 < cap] + [cap]
         return self.policy.choose_copy(lengths, streak)
 
+    def _choose_k(self) -> int:
+        """The policy's draft length, checked against what the constructor sized the verify and the caches
+        for (read from the policy's choices / k_max / k): a longer draft would verify past them, and lose
+        plain decoding's bits (or the KV cache room) without a word."""
+        k = int(self.policy.choose_k())
+        if not 0 <= k <= self.k_max:
+            raise ValueError(
+                f"{type(self.policy).__name__}.choose_k() returned k={k}: this decoder verifies drafts of 0.."
+                f"{self.k_max} tokens ({self._k_max_from}; a policy without choices, k_max or k is taken to "
+                "draft up to 8): give the policy a k_max attribute"
+            )
+        return k
+
     def _chain_cycle(self, h, last, sampling, generator, stats, proposals=None, frozen=None):
         """One chain cycle. proposals (prompt lookup): per row a list of copied draft tokens, [] for no
         draft, or None where the EAGLE-3 draft should draft; without it every row uses the draft. frozen: per
@@ -403,7 +418,7 @@ class SpecDecoder:
             proposals = [None] * B
         use_draft = [p is None for p in proposals]
         t0 = time.perf_counter()
-        k = int(self.policy.choose_k()) if any(use_draft) else 0
+        k = self._choose_k() if any(use_draft) else 0
         # draft k tokens (all rows, batched, when any row needs them)
         drafts, qs = [], []
         if k:

@@ -178,6 +178,34 @@ def test_max_len_is_checked_against_the_longest_draft_not_the_first(target):
     assert got.tokens[0] == ref and max(r["k"] for r in roomy.policy.log) == 16
 
 
+def test_a_custom_policys_draft_length_is_checked_each_cycle(target):
+    """The constructor sizes the verify and max_len for the draft length a policy declares (choices, k_max
+    or k; 8 when it declares none); a custom policy drafting past it was run anyway (seen with a 70-token
+    draft of the shipped target: greedy output unlike plain decoding's, no error). Now the k is named."""
+    from eagle3.tuner import _Policy
+
+    class Always(_Policy):  # only the documented methods
+        def __init__(self, k):
+            super().__init__()
+            self.n = k
+
+        def choose_k(self):
+            return self.n
+
+    p = prompts(1)[0]
+    ref = Decoder(target, max_len=128).generate([p], 20).tokens[0]
+    assert (
+        SpecDecoder(target, make_draft(target), max_len=128, policy=Always(8)).generate([p], 20).tokens[0]
+        == ref
+    )
+    for k in (9, 70, -1):
+        dec = SpecDecoder(target, make_draft(target), max_len=128, policy=Always(k))
+        with pytest.raises(
+            ValueError, match=rf"Always.choose_k\(\) returned k={k}: .* drafts of 0..8 tokens"
+        ):
+            dec.generate([p], 20)
+
+
 def test_batched_chain_per_row_lengths(target):
     """Rows with different prompt lengths and different accepted lengths per cycle."""
     ps = prompts(3)
