@@ -44,7 +44,8 @@ class RunRecord:
 
     `accepted[c]` is the number of draft tokens accepted in speculative cycle c, excluding the bonus
     token the target always contributes; `draft_lengths[c]` is the k drafted in that cycle (fixed
-    for fixed-k methods, varying for tuned ones). Plain decoding has cycles == 0 and both lists empty.
+    for fixed-k methods, varying for tuned ones; 0: no speculation, the target's token alone, as FixedK(0)
+    and a tuner with 0 among its choices decode). Plain decoding has cycles == 0 and both lists empty.
     """
 
     method: str
@@ -98,9 +99,9 @@ class RunRecord:
         if self.cut and len(self.cut) != self.cycles:
             raise ValueError(f"{where}: 'cut' ({len(self.cut)}) must be empty or have one entry per cycle")
         for c, (a, k, v) in enumerate(zip(self.accepted, self.draft_lengths, self.verified)):
-            if k < 1 or not 0 <= a <= v <= k:
+            if not 0 <= a <= v <= k:
                 raise ValueError(
-                    f"{where}: cycle {c} has accepted={a}, cut={v - a}, draft_length={k}; need 1 <= k and "
+                    f"{where}: cycle {c} has accepted={a}, cut={v - a}, draft_length={k}; need "
                     "0 <= accepted <= accepted + cut <= k"
                 )
 

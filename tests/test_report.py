@@ -385,6 +385,57 @@ def test_variant_methods_are_checked_against_their_own_plain_decoding(v):
     assert MethodSummary.from_dict(d).reference == ""
 
 
+def test_cycles_that_drafted_nothing_make_a_record_and_a_report(tmp_path):
+    """Draft length 0 is no speculation (FixedK(0), a tuner with 0 among its choices): such generations
+    decode plain decoding's tokens, and their records were refused ("need 1 <= k"), eval.bench's
+    eagle3-k0 with a traceback. Each such cycle emits the target's token alone (tau 1) and reaches no
+    draft position (no acceptance rate); the draft-length plot puts it at k = 0."""
+    from eval.plots import plot_draft_length
+
+    def spec(method, accepted, ks):
+        return RunRecord(method, "p0", 0, 100, 5.0, ttft=0.25, cycles=len(ks), accepted=accepted,
+                         draft_lengths=ks, output_ids=P0_IDS)  # fmt: skip
+
+    records = [plain("p0", 100, 10.0, P0_IDS), spec("eagle3-k0", [0, 0, 0], [0, 0, 0]),
+               spec("eagle3-tuned", [0, 2, 1, 0], [0, 2, 3, 0])]  # fmt: skip
+    s = by_method(summarise(records))
+    k0, tuned = s["eagle3-k0"], s["eagle3-tuned"]
+    assert (k0.tau, k0.accept_rates, k0.draft_length_counts, k0.mean_draft_length) == (1.0, [], [3], 0.0)
+    assert tuned.tau == 7 / 4 and tuned.accept_rates == [1.0, 0.5, 0.0]
+    assert tuned.draft_length_counts == [2, 0, 1, 1]
+    lines = {
+        ln.get_label(): list(ln.get_xdata()) for ln in plot_draft_length(list(s.values())).axes[0].get_lines()
+    }
+    assert lines["fixed k"] == [0]
+    paths = write_report(records, list(s.values()), {}, tmp_path)
+    assert load_report(paths["json"])[1] == records
+    with pytest.raises(ValueError, match="cycle 0 has accepted=1, cut=0, draft_length=0"):
+        spec("eagle3-k0", [1], [0])
+
+
+def test_bench_runs_eagle3_k0(tmp_path):
+    """`eval.bench --methods ours-plain,eagle3-k0` ended in a traceback (the record of draft length 0 refused);
+    now it reports plain decoding's tokens at tau 1."""
+    from eval import bench
+
+    out = tmp_path / "r"
+    argv = [
+        "--n",
+        "1",
+        "--turns",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--methods",
+        "ours-plain,eagle3-k0",
+        "--out",
+        str(out),
+    ]
+    assert bench.main(argv) == 0  # 0: the tokens equal ours-plain's
+    k0 = next(s for s in load_report(out / "report.json")[2] if s.method == "eagle3-k0")
+    assert k0.tau == 1.0 and k0.mismatches == 0 and k0.draft_length_counts == [k0.cycles] and k0.cycles > 0
+
+
 def test_draft_length_plot_joins_fixed_k_chains_of_like_numerics_only():
     """One fixed-k line per numerics (bf16 k=3,4; +q4 k=3), trees a point at their depth on no line."""
     from eval.plots import plot_draft_length
