@@ -21,9 +21,10 @@ retrieval drafts (REST) by copying what the target wrote after the same words el
 
 Trees (EAGLE-2): expand `depth` levels, each level the `top_k` best nodes (by cumulative draft log-prob)
 get `top_k` children; the best `total_tokens` nodes are verified in one target pass with a tree
-attention mask; the accepted path is compacted in the target cache. At temperature > 0 the tree is a
-full `top_k`-ary tree whose children are i.i.d. draft samples (no value-dependent pruning: that is what
-keeps multi-candidate rejection sampling lossless).
+attention mask; the accepted path is compacted in the target cache. At temperature > 0 the tree is
+first cut by TreeConfig.for_sampling to a full 2-ary tree within `total_tokens`, whose children are
+i.i.d. draft samples (no value-dependent pruning: that is what keeps multi-candidate rejection sampling
+lossless).
 """
 
 from __future__ import annotations
@@ -76,10 +77,12 @@ class TreeConfig:
     def for_sampling(self, sampling: SamplingParams | None) -> TreeConfig:
         """The tree to draft under `sampling`: this one when greedy. Sampling verifies a full tree (every node
         drawn, none pruned: pruning by value would bias the output), so at temperature > 0 the tree is cut to
-        2 children per node and the depth at which its node count still fits in total_tokens."""
+        2 children per node (1 where total_tokens is 1) and the depth at which its node count still fits in
+        total_tokens: never more nodes than total_tokens, which SpecDecoder's checks were made with. A cut
+        tree cuts to itself."""
         if sampling is None or sampling.greedy:
             return self
-        k = min(2, self.top_k)
+        k = min(2, self.top_k, self.total_tokens)
         depth = 1
         while depth < self.depth and sum(k**d for d in range(1, depth + 2)) <= self.total_tokens:
             depth += 1
@@ -581,7 +584,9 @@ class SpecDecoder:
 
     def _tree_cycle(self, h, last, sampling, generator, stats):
         greedy = sampling is None or sampling.greedy
-        cfg = self.policy.choose_tree() if self._pick_tree else self.tree
+        picked = self.policy.choose_tree() if self._pick_tree else self.tree
+        # sampling verifies every node: the full tree within total_tokens (the CLIs cut theirs already)
+        cfg = picked.for_sampling(sampling)
         dev = last.device
         n = self.tcache.lengths.clone()
         t0 = time.perf_counter()
@@ -642,7 +647,7 @@ class SpecDecoder:
         t3 = time.perf_counter()
         emitted = [tree_tokens[path].tolist() + [int(y)]]
         if self._pick_tree:
-            self.policy.record_tree(cfg, a + 1, t3 - t0)
+            self.policy.record_tree(picked, a + 1, t3 - t0)
         elif hasattr(self.policy, "record_cycle"):
             self.policy.record_cycle(a + 1, t3 - t0)
         stats.cycles += 1

@@ -303,6 +303,20 @@ def test_tree_for_sampling_is_cut_to_two_children_and_the_budget():
     assert TreeConfig(5, 8, 48).for_sampling(SamplingParams(temperature=1.0)) == TreeConfig(4, 2, 30)
 
 
+def test_sampling_with_a_tree_through_the_api_verifies_the_cut_tree(target):
+    """Only the CLIs cut a tree for sampling (TreeConfig.for_sampling); given to SpecDecoder, the uncut
+    tree was verified whole, past total_tokens, which max_len and the 64-row verify limit were checked with
+    (seen: tree 3,4,8 drafts 84 nodes a cycle: a KV cache overflow, 98 slots of max_len 96). Now the decoder
+    cuts it: 2,2,6, whose 6 nodes fit."""
+    p = prompts(1)[0]
+    sampling = SamplingParams(0.8)
+    assert TreeConfig(1, 2, 1).for_sampling(sampling) == TreeConfig(1, 1, 1)  # never past total_tokens
+    for tree, nodes in [(TreeConfig(3, 4, 8), {6}), ([TreeConfig(3, 4, 8), TreeConfig(1, 3, 3)], {6, 2})]:
+        dec = SpecDecoder(target, make_draft(target), max_len=96, tree=tree)
+        st = dec.generate([p], 24, sampling, generator=torch.Generator().manual_seed(0)).stats["spec"]
+        assert set(st.tree_nodes) == nodes and set(st.draft_lengths) == {n.bit_length() - 1 for n in nodes}
+
+
 @pytest.mark.parametrize("k", [1, 4, 7])
 def test_oracle_draft_always_accepted_chain(target, k):
     p = prompts(1)[0]
