@@ -108,12 +108,13 @@ def is_plot(path: Path) -> bool:
 
 
 def plot(logs: dict[str, list[dict]], path: Path) -> None:
-    import matplotlib
+    """The curves on an Agg canvas of their own (not pyplot's: a notebook's backend stays as it was)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_l, ax_a) = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4))
+    FigureCanvasAgg(fig)
+    ax_l, ax_a = fig.subplots(1, 2)
     for name, recs in logs.items():
         steps = [r["step"] for r in recs]
         ax_l.plot(steps, [r["loss"] for r in recs], lw=1, label=name)
@@ -124,7 +125,6 @@ def plot(logs: dict[str, list[dict]], path: Path) -> None:
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:

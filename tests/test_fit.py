@@ -661,3 +661,26 @@ def test_a_warmup_past_the_steps_is_said(tiny, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="train.fit"):
         run(tiny, tmp_path / "b", steps=3, warmup=2)
     assert "warmup" not in caplog.text
+
+
+def test_plot_curves_leaves_matplotlibs_backend_as_it_was(tmp_path):
+    """plot_curves ran matplotlib.use("Agg"): in a notebook (the inline backend) a later plt.show()
+    showed nothing. It now draws on a canvas of its own, as eval/plots.py does; so does eval.compare_runs."""
+    import matplotlib
+
+    from eval.compare_runs import is_plot, plot
+    from train.fit import plot_curves
+
+    recs = [
+        {"step": s, "loss_i": [1.0 / s, 2.0 / s], "acc_i": [0.1 * s, 0.05 * s], "loss": 1.0 / s}
+        for s in (1, 2)
+    ]
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")  # a backend other than Agg, as a notebook's inline one is
+    try:
+        plot_curves(recs, tmp_path / "curve.png")
+        plot({"a": recs}, tmp_path / "c.png")
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(before)
+    assert is_plot(tmp_path / "curve.png") and is_plot(tmp_path / "c.png")

@@ -1057,15 +1057,17 @@ def evaluate(objective, data: TrainData, lm_rows: Tensor, t2d: Tensor, cfg: FitC
 
 
 def plot_curves(records: Sequence[dict[str, Any]], path: Path) -> None:
-    """curve.png: loss and top-1 agreement per unroll step against the step (Agg, atomic write)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """curve.png: loss and top-1 agreement per unroll step against the step (atomic write). Drawn on an
+    Agg canvas of its own, not through pyplot, as eval/plots.py draws: switching pyplot's backend would
+    leave a notebook that trains here showing no later plot."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     steps = [r["step"] for r in records]
     S = len(records[0]["loss_i"])
-    fig, (ax_l, ax_a) = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4))
+    FigureCanvasAgg(fig)
+    ax_l, ax_a = fig.subplots(1, 2)
     for i in range(S):
         ax_l.plot(steps, [r["loss_i"][i] for r in records], label=f"step {i}", lw=1)
         ax_a.plot(steps, [r["acc_i"][i] for r in records], label=f"step {i}", lw=1)
@@ -1080,7 +1082,6 @@ def plot_curves(records: Sequence[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------------------------------
