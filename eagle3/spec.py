@@ -93,13 +93,15 @@ class TreeConfig:
 class SpecStats:
     cycles: int = 0
     # per cycle, the accepted draft tokens that reached the output (a cycle cut short by a stop token or the
-    # budget counts what it kept, so accepted + 1 is what the cycle emitted): row 0's, and every row still
-    # decoding's
+    # budget counts those it kept): row 0's, and every row still decoding's
     accepted: list[int] = field(default_factory=list)
     accepted_rows: list[list[int]] = field(default_factory=list)
     # per cycle, row 0's accepted draft tokens that the stop token or the budget cut from the output
     # (accepted + cut is what the target accepted: the acceptance rates per draft position read it)
     cut: list[int] = field(default_factory=list)
+    # row-cycles (of every row) whose own target token, the correction or bonus after the accepted draft
+    # tokens, the stop token or the budget cut: every other row-cycle emitted accepted + 1 tokens
+    target_cut: int = 0
     draft_lengths: list[int] = field(default_factory=list)  # k per cycle (trees: the depth)
     lookup_rows: list[int] = field(default_factory=list)  # per cycle: rows whose draft was copied
     store_rows: list[int] = field(default_factory=list)  # per cycle: of those, rows copied from the datastore
@@ -119,10 +121,22 @@ class SpecStats:
         return sum(1 for n in self.store_rows if n)
 
     @property
-    def tau(self) -> float:
-        """Acceptance length: tokens emitted per cycle (accepted draft tokens + 1)."""
+    def row_cycles(self) -> int:
+        """Cycles summed over rows (a batch's cycle counts once per row still decoding)."""
+        return sum(map(len, self.accepted_rows)) or len(self.accepted)
+
+    @property
+    def emitted(self) -> int:
+        """Tokens the cycles put in the outputs: accepted draft tokens + 1 per row-cycle whose target token
+        was kept."""
         acc = [a for row in self.accepted_rows for a in row] or self.accepted
-        return sum(a + 1 for a in acc) / max(len(acc), 1)
+        return sum(a + 1 for a in acc) - self.target_cut
+
+    @property
+    def tau(self) -> float:
+        """Acceptance length: tokens emitted per cycle (accepted draft tokens + 1; a cycle cut short by a stop
+        token or the budget counts what it kept)."""
+        return self.emitted / max(self.row_cycles, 1)
 
 
 def _sync(device: torch.device) -> None:
@@ -363,8 +377,13 @@ class SpecDecoder:
                     if t in stop or len(outs[b]) >= max_new_tokens:
                         done[b] = True
                         break
-                cut = len(emitted[b]) - (len(outs[b]) - grown[b])
-                if cut:  # the stats count what reached the output (tau: tokens a cycle emits)
+                kept = len(outs[b]) - grown[b]
+                if kept < len(
+                    emitted[b]
+                ):  # the stats count what reached the output (tau: tokens a cycle emits)
+                    # the target's token (the cycle's last) is cut first, then accepted draft tokens
+                    cut = max(len(emitted[b]) - 1 - kept, 0)
+                    stats.target_cut += 1
                     stats.accepted_rows[-1][live] -= cut
                     if b == 0:
                         stats.accepted[-1] -= cut

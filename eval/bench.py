@@ -355,7 +355,7 @@ class Runner:
         s = g.stats["spec"]
         stats = {"seconds": g.seconds, "ttft": g.ttft, "cycles": s.cycles, "accepted": s.accepted}
         stats |= {"draft_lengths": s.draft_lengths, "cut": s.cut, "draft_seconds": s.draft_seconds}
-        stats["verify_seconds"] = s.verify_seconds
+        stats["verify_seconds"], stats["target_cut"] = s.verify_seconds, s.target_cut
         stats["lookup_cycles"], stats["store_cycles"] = s.lookup_cycles, s.store_cycles
         return g.tokens[0], stats
 
@@ -708,6 +708,7 @@ def run_prompt(i, prompt, methods, runners, args, tok, eos, cut, bar, device="cp
                     accepted=st.get("accepted", []),
                     draft_lengths=st.get("draft_lengths", []),
                     cut=st.get("cut", []),
+                    target_cut=st.get("target_cut", 0),
                     draft_seconds=st.get("draft_seconds", 0.0),
                     verify_seconds=st.get("verify_seconds", 0.0),
                     lookup_cycles=st.get("lookup_cycles", 0),

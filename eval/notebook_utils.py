@@ -234,6 +234,7 @@ def run_record(
             accepted=acc,
             draft_lengths=list(spec.draft_lengths),
             cut=list(spec.cut),
+            target_cut=spec.target_cut,
             draft_seconds=spec.draft_seconds,
             verify_seconds=spec.verify_seconds,
             lookup_cycles=spec.lookup_cycles,
@@ -254,11 +255,12 @@ def run_record(
 
 
 def pooled_tau(gens: Sequence[Generation]) -> float:
-    """Acceptance length over all cycles of several speculative generations (accepted + 1 per cycle)."""
-    acc = [a for g in gens for row in g.stats["spec"].accepted_rows for a in row]
-    if not acc:
+    """Acceptance length over all cycles of several speculative generations (tokens emitted per cycle:
+    SpecStats.tau)."""
+    cycles = sum(g.stats["spec"].row_cycles for g in gens)
+    if not cycles:
         raise ValueError("pooled_tau: the generations ran no speculative cycle")
-    return sum(a + 1 for a in acc) / len(acc)
+    return sum(g.stats["spec"].emitted for g in gens) / cycles
 
 
 def finite(x: float | None) -> float | None:

@@ -9,8 +9,9 @@ Definitions, chosen to match how the EAGLE papers and production engines report 
   fast by skipping slow prompts; the mean of per-prompt ratios is kept beside it in report.json
   (`speedup_mean`, `speedup_hf_mean`) because a few long prompts dominate the aggregate.
 - tau (acceptance length) counts the bonus token: mean over cycles of (accepted + 1), the tokens a cycle
-  emits (a last cycle cut by a stop token or the budget counts what it kept: eagle3.spec.SpecStats). Plain decoding
-  has no cycles and gets None, not 1.0, so the table cannot mix the two up.
+  emits (a last cycle cut by a stop token or the budget counts what it kept, its target token too only if
+  kept: RunRecord.target_cut, eagle3.spec.SpecStats). Plain decoding has no cycles and gets None, not 1.0,
+  so the table cannot mix the two up.
 - The acceptance rate at draft position i is conditional on reaching it: among cycles that drafted
   at least i tokens, the fraction whose first i draft tokens were all accepted (chain drafting
   accepts a prefix, so "position i accepted" means accepted >= i), by the target's verify: tokens a stop
@@ -60,6 +61,9 @@ class RunRecord:
     # per cycle (or empty: none), accepted draft tokens the stop token or the budget cut from the output:
     # tau counts `accepted` (what reached the output), the acceptance rates accepted + cut (what was accepted)
     cut: list[int] = field(default_factory=list)
+    # cycles (0 or 1: the last) whose target token, after the accepted draft tokens, the stop token or the
+    # budget cut: every other cycle emitted accepted + 1 tokens
+    target_cut: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     lookup_cycles: int = 0  # cycles whose draft was copied (eagle3/lookup.py, eagle3/datastore.py)
@@ -75,7 +79,7 @@ class RunRecord:
         where = f"RunRecord(method={self.method!r}, prompt_id={self.prompt_id!r}, turn={self.turn})"
         if not isinstance(self.method, str) or not self.method:
             raise ValueError(f"{where}: field 'method' must be a non-empty string")
-        for name in ("turn", "new_tokens", "cycles", "lookup_cycles", "store_cycles"):
+        for name in ("turn", "new_tokens", "cycles", "target_cut", "lookup_cycles", "store_cycles"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{where}: field {name!r} must be an int >= 0, got {value!r}")
@@ -85,6 +89,8 @@ class RunRecord:
                 raise ValueError(f"{where}: field {name!r} must be a finite number >= 0, got {value!r}")
         if self.seconds <= 0:
             raise ValueError(f"{where}: field 'seconds' must be > 0 (tokens/s divides by it)")
+        if self.target_cut > self.cycles:
+            raise ValueError(f"{where}: target_cut ({self.target_cut}) > cycles ({self.cycles})")
         if self.lookup_cycles > self.cycles:
             raise ValueError(f"{where}: lookup_cycles ({self.lookup_cycles}) > cycles ({self.cycles})")
         if self.store_cycles > self.lookup_cycles:
@@ -228,7 +234,7 @@ def _summarise_method(
         speedup_hf=speedup_hf,
         speedup_hf_mean=speedup_hf_mean,
         cycles=cycles,
-        tau=(sum(accepted) + cycles) / cycles if speculative else None,
+        tau=(sum(accepted) + cycles - sum(r.target_cut for r in mine)) / cycles if speculative else None,
         accept_rates=acceptance_rates([v for r in mine for v in r.verified], draft_lengths),
         draft_length_counts=counts,
         mean_draft_length=sum(draft_lengths) / cycles if speculative else None,

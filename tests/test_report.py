@@ -190,6 +190,10 @@ def test_a_cut_last_cycle_counts_in_tau_as_emitted_and_in_the_rates_as_accepted(
     assert s.tau == (3 + 1 + 0 + 1 + 4) / 4  # emitted per cycle
     assert s.accept_rates == [0.75, 0.5, 0.5, 0.25]  # as uncut: base's rates
     assert acceptance_rates([3, 1, 0, 1], [4] * 4) == [0.75, 0.25, 0.25, 0.0]  # read without the cut: too low
+    # as SpecStats now writes it: the 2 kept tokens are draft tokens, the cycle's target token was cut too
+    kept = replace(cut, accepted=[3, 1, 0, 2], cut=[0, 0, 0, 2], target_cut=1)
+    k = by_method(summarise([*single_prompt_records()[:2], kept]))["eagle3-tuned"]
+    assert (k.tau, k.accept_rates) == (s.tau, s.accept_rates)
 
 
 def test_mismatch_count_and_first_differing_token():

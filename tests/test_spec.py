@@ -240,7 +240,8 @@ def test_on_output_streams_exactly_the_returned_tokens(target):
         assert sum(map(len, (c[0] for c in cycles))) + 1 > len(
             got.tokens[0]
         )  # the control: cycles ran past it
-        # the stats count what reached the output: per row, 1 (the prefill's) + accepted + 1 per cycle it ran
+        # the stats count what reached the output: per row, 1 (the prefill's) + accepted + 1 per cycle it ran,
+        # less the target tokens cut (a row's last cycle's, at most)
         spec = got.stats["spec"]
         ran = [[] for _ in rows]
         for cycle in spec.accepted_rows:
@@ -248,7 +249,8 @@ def test_on_output_streams_exactly_the_returned_tokens(target):
             assert len(cycle) == len(still)
             for b, a in zip(still, cycle):
                 ran[b].append(a + 1)
-        assert [1 + sum(r) for r in ran] == [len(t) for t in got.tokens]
+        over = [1 + sum(r) - len(t) for r, t in zip(ran, got.tokens)]
+        assert set(over) <= {0, 1} and sum(over) == spec.target_cut
         assert spec.tau == sum(len(t) - 1 for t in got.tokens) / sum(map(len, ran)) and spec.accepted[-1] >= 0
         # row 0's verify accepted accepted + cut (the acceptance rates per draft position read that): the
         # cycle that met the stop token cut the rest of its accepted run
@@ -257,6 +259,30 @@ def test_on_output_streams_exactly_the_returned_tokens(target):
             len(c[0]) - 1 for c in cycles
         ][: last + 1]
         assert spec.cut[last] > 0 and not any(spec.cut[:last])
+
+
+def test_a_cut_cycle_counts_the_draft_tokens_it_kept_as_accepted(target):
+    """An oracle draft (k 4: 5 tokens a cycle) and budgets that end inside the third cycle, after 2 of its 4
+    draft tokens (budget 13) or all 4 (15): accepted counts the draft tokens that reached the output, cut
+    those the budget cut, target_cut the cycle's own token. Before, the target's cut token was counted as a
+    cut draft token (budget 13: accepted 1, cut 3; 15: accepted 3, cut 1), unlike highlight_html's count
+    of the draft tokens in the output. tau (tokens emitted per cycle) and accepted + cut are as they were."""
+    from eval.notebook_utils import run_record, token_sources
+    from eval.report import summarise
+
+    p = prompts(1)[0]
+    ref = Decoder(target, max_len=128).generate([p], 20).tokens[0]
+    dec = SpecDecoder(target, make_draft(target, cls=OracleDraft, seq=p + ref), max_len=128, policy=FixedK(4))
+    for budget, kept in [(13, 2), (15, 4), (16, 4)]:
+        cycles = []
+        got = dec.generate([p], budget, on_cycle=cycles.append)
+        st = got.stats["spec"]
+        assert got.tokens[0] == ref[:budget] and st.cycles == 3
+        assert st.accepted == [4, 4, kept] and st.cut == [0, 0, 4 - kept]
+        assert st.target_cut == (budget < 16) and st.tau == (budget - 1) / 3
+        drafted = sum(not t for _, t in token_sources(got.tokens[0], [c[0] for c in cycles]))
+        assert drafted == sum(st.accepted)
+        assert summarise([run_record("m", "p", got, peak_mb=0.0)])[0].tau == st.tau
 
 
 def test_batch_rows_that_finish_early_stay_frozen(target):
