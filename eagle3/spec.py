@@ -378,9 +378,8 @@ class SpecDecoder:
                         done[b] = True
                         break
                 kept = len(outs[b]) - grown[b]
-                if kept < len(
-                    emitted[b]
-                ):  # the stats count what reached the output (tau: tokens a cycle emits)
+                # the stats count what reached the output (tau: tokens a cycle emits)
+                if kept < len(emitted[b]):
                     # the target's token (the cycle's last) is cut first, then accepted draft tokens
                     cut = max(len(emitted[b]) - 1 - kept, 0)
                     stats.target_cut += 1
