@@ -40,6 +40,7 @@ from maverick.compiled import (
 )
 from maverick.compiled import __file__ as compiled_source
 from maverick.kv_cache import KVCache
+from maverick.linear import PACKED_MAX_ROWS
 from maverick.linear import __file__ as linear_source
 from maverick.model import __file__ as model_source
 
@@ -142,7 +143,12 @@ class CompiledDraft:
         if positions is not None:  # the cache's lengths onwards are the compiled call's own positions
             ahead = cache.lengths[:, None] + torch.arange(T, device=positions.device)
             positions = None if torch.equal(positions, ahead) else positions
-        if positions is not None or mask is not None or tree_mask is not None or T > self.max_rows:
+        if (
+            positions is not None
+            or mask is not None
+            or tree_mask is not None
+            or T > self.rows_limit(hidden.shape[0])
+        ):
             with cache.sliced_to_use():  # eager (e.g. the prefill's catch-up) on the slots in use
                 return self.base(embeds, hidden, positions, cache, mask, tree_mask)
         R = max(T, MIN_ROWS)
@@ -172,6 +178,13 @@ class CompiledDraft:
         cache.advance(T)
         return h[:, :T]
 
+    def rows_limit(self, batch: int) -> int:
+        """The most new tokens a compiled call of `batch` rows takes: max_rows, and at most 64 rows in all (the
+        linears run one row-count-safe call of up to 64 rows: a graph exported past that for a batch of 3 stopped
+        torch.export); 0 when even MIN_ROWS do not fit (such batches run eager)."""
+        limit = min(self.max_rows, PACKED_MAX_ROWS // batch)
+        return limit if limit >= MIN_ROWS else 0
+
     def _package(self, args: tuple[Tensor, ...]) -> Callable:
         """The step's AOTInductor package for this batch size, loaded from disk or built (maverick/aot.py):
         rows 2..max_rows and the key span dynamic."""
@@ -185,7 +198,7 @@ class CompiledDraft:
             slots=self.slots,
             options=self.options,
         )
-        rows = torch.export.Dim("rows", min=MIN_ROWS, max=self.max_rows)
+        rows = torch.export.Dim("rows", min=MIN_ROWS, max=self.rows_limit(args[1].shape[0]))
         blocks = torch.export.Dim("blocks", min=2, max=self.slots // SPAN)
         dynamic = ({1: rows}, {1: rows}, None, None, None, {0: blocks})
         runner, self.package, self.loaded = load_or_build(self.step, args, dynamic, self.options, key)

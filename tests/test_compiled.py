@@ -590,6 +590,23 @@ def test_compiled_draft_rows_of_other_lengths():
         assert torch.equal(cc.lengths, ce.lengths)
 
 
+def test_compiled_draft_takes_a_batch_of_three(engine):
+    """A batch of 3 stopped torch.export (`rows <= 64/3`: the linears run one call of up to 64 rows, and the
+    graph's row count went to max_rows 32); its rows now stop at 21, and a longer call runs eager."""
+    draft = make_draft(engine.base)
+    comp = CompiledDraft(draft, MAX_LEN, max_rows=32)
+    assert [comp.rows_limit(b) for b in (1, 2, 3, 32, 33)] == [32, 32, 21, 2, 0]
+    H = draft.config.hidden_size
+    g = torch.Generator().manual_seed(12)
+    ce, cc = draft.new_cache(3, MAX_LEN), comp.new_cache(3, MAX_LEN)
+    for T in (5, 1, 30, 2):
+        emb, hid = torch.randn(2, 3, T, H, generator=g).bfloat16()
+        want = draft(emb, hid, None, cache=ce)
+        got = comp(emb, hid, None, cache=cc)
+        assert (got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max(), T
+        assert torch.equal(cc.lengths, ce.lengths)
+
+
 def test_speculative_with_the_compiled_draft_equals_plain(engine):
     """SpecDecoder(compile_draft=True) on CPU runs the draft's steps and catch-ups as CompiledDraft's graph;
     greedy tokens stay plain decoding's, with prompt lookup too."""
