@@ -84,8 +84,11 @@ class DraftConfig:
     ) -> DraftConfig:
         """Shapes follow the target (the draft shares its embeddings); features default to the hidden states
         entering layers 2, L//2 and L-3."""
-        L = target.num_hidden_layers
-        fl = tuple(feature_layers) if feature_layers is not None else (2, L // 2, L - 3)
+        fl = (
+            tuple(feature_layers)
+            if feature_layers is not None
+            else default_feature_layers(target.num_hidden_layers)
+        )
         base = dict(
             hidden_size=target.hidden_size,
             intermediate_size=target.intermediate_size_mlp,
@@ -205,6 +208,17 @@ _COUNTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_v
 # Serve a draft that sets any of them with this project or a current vLLM; an all-false draft loads everywhere.
 # The engines also size `fc` for exactly three feature layers: a draft of another count runs only here.
 NORM_VARIANTS = ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual")
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low / mid / high taps: the hidden states entering layers 2, L//2 and L-3. A target of fewer
+    than 7 layers gets three increasing taps spread over 0..L instead ((2, 2, 1) for 4 layers would not be
+    layer order, which the engines concatenate in), or every state it has when it has fewer than three."""
+    taps = (2, num_layers // 2, num_layers - 3)
+    if taps[0] < taps[1] < taps[2]:
+        return taps
+    small = sorted({num_layers // 4, num_layers // 2, (3 * num_layers) // 4})
+    return tuple(small) if len(small) == 3 else tuple(range(min(3, num_layers + 1)))
 
 
 def feature_layers_from_hf(d: dict, source: str = "config.json") -> tuple[int, ...]:

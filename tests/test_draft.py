@@ -197,3 +197,17 @@ def test_draft_files_dtypes_duplicates_and_embeddings(tmp_path):
     assert "carry an embed_tokens.weight unlike the target's" in got
     save_file(sd, str(path / "model.safetensors"))
     assert embeddings_note(load_draft(path), target.model.embed_tokens) is None
+
+
+def test_default_feature_layers_are_layer_order_for_every_depth():
+    """The default taps (2, L//2, L-3) were (2, 2, 1) for a 4-layer target, which the option check (and the
+    engines' layer-order concatenation) refuses; targets of 7 layers and more keep EAGLE-3's taps."""
+    from eagle3.draft import check_feature_layers, default_feature_layers
+
+    for L in range(1, 65):
+        taps = default_feature_layers(L)
+        check_feature_layers(taps, L, "--feature-layers")
+        assert len(taps) == min(3, L + 1)
+        if L >= 7:
+            assert taps == (2, L // 2, L - 3)
+    assert default_feature_layers(30) == (2, 15, 27) and default_feature_layers(4) == (1, 2, 3)

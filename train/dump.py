@@ -57,7 +57,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from eagle3.draft import check_feature_layers
+from eagle3.draft import check_feature_layers, default_feature_layers
 from maverick.cli import (
     ArgumentParser,
     UserError,
@@ -96,11 +96,6 @@ class DumpError(UserError):
 
 # ----------------------------------------------------------------------------------------------------
 # The target
-
-
-def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's low / mid / high taps: the hidden states entering layers 2, L//2 and L-3."""
-    return (2, num_layers // 2, num_layers - 3)
 
 
 @torch.no_grad()
