@@ -458,6 +458,8 @@ def test_compiled_draft_step_identical_and_compiles_once(target):
     ref = Decoder(target, max_len=128).generate([p], 30).tokens[0]
 
     class Cycling(FixedK):  # a different k every cycle
+        k_max = 6  # what the decoder sizes its cache and verify for (checked each cycle)
+
         def choose_k(self):
             self.k = 1 + (self.k + 2) % 6
             return self.k
