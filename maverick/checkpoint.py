@@ -171,13 +171,8 @@ def build_model(
         _use_fp8_experts_where_stored(model, state_dict, dtype)
     expected = dict(model.state_dict())
     tied = cfg.tie_word_embeddings
-    head, embed = state_dict.get("lm_head.weight"), state_dict.get("model.embed_tokens.weight")
-    if tied and head is not None and embed is not None and head is not embed and not torch.equal(head, embed):
-        # transformers keeps a stored head; we tie: refused as the Llama loader refuses it
-        raise CheckpointError(
-            f"{source}: tie_word_embeddings=true but key 'lm_head.weight' differs from 'model.embed_tokens.weight'"
-        )
     if tied:
+        check_tied_head(state_dict, source)
         expected.pop("lm_head.weight", None)
         state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
     check_state_dict(expected, state_dict, source)
@@ -257,6 +252,16 @@ def load_hf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device:
 EMBED_KEY, HEAD_KEY = "model.embed_tokens.weight", "lm_head.weight"
 
 
+def check_tied_head(state_dict: dict[str, torch.Tensor], source: str) -> None:
+    """A tied checkpoint that stores an lm_head unlike its embeddings: transformers keeps the stored head, we tie
+    the embeddings; refused (as the Llama loader refuses it), naming both keys."""
+    head, embed = state_dict.get("lm_head.weight"), state_dict.get("model.embed_tokens.weight")
+    if head is not None and embed is not None and head is not embed and not torch.equal(head, embed):
+        raise CheckpointError(
+            f"{source}: tie_word_embeddings=true but key 'lm_head.weight' differs from 'model.embed_tokens.weight'"
+        )
+
+
 def load_hf_tables(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor, Llama4Config]:
     """(embedding [V, H], lm_head [V, H], config) of a checkpoint directory, as stored, reading only those
     two tensors: what a draft needs of its target (an 8B target in fp32 would be 32 GB for 2 tables).
@@ -272,6 +277,8 @@ def load_hf_tables(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor,
             raise CheckpointError(f"{path}: missing key(s) [{key!r}]")
         if tuple(sd[key].shape) != shape:
             raise CheckpointError(f"{path}: key {key!r} has shape {tuple(sd[key].shape)}, expected {shape}")
+    if cfg.tie_word_embeddings:
+        check_tied_head(sd, str(path))
     return sd[EMBED_KEY], sd[EMBED_KEY] if cfg.tie_word_embeddings else sd[HEAD_KEY], cfg
 
 

@@ -1,4 +1,4 @@
-"""Linear layers for few-row bf16 inference on CPU: the weight prepacked once for oneDNN.
+"""Linear layers for few-row bf16 (and fp32) inference on CPU: the weight prepacked once for oneDNN.
 
 Decoding multiplies one row (or k+1 rows when verifying, a tree's nodes, a batch's rows) by every weight
 matrix, so it is bound by how fast the weights stream. On CPU, `F.linear` on a bf16 weight hands oneDNN a
@@ -14,7 +14,9 @@ model.py). Above 64 rows (prefill, training) `F.linear` is faster and is used.
 
 The packed copy is made on first use under `torch.no_grad()` and kept per weight tensor until the weight is
 written again (its version counter moves): the same numbers, at the cost of a second copy of the weights
-in memory. Anything else (gradients, fp32, CUDA, `torch.compile`, no oneDNN) is plain `F.linear`.
+in memory. fp32 weights are packed the same way (fp32 `F.linear` keeps a row's bits only in windows as
+narrow as 2..3 rows here; the packed fp32 kernel for 2..64, and is faster). Anything else (gradients, CUDA,
+`torch.compile`, no oneDNN) is plain `F.linear`.
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ def packing_supported() -> bool:
 
 
 _SUPPORTED = packing_supported()
+# fp32 too: MKL's fp32 GEMM (F.linear) gives a row other bits when more rows share the call, in windows as
+# narrow as 2..3 rows (AMD EPYC, 2 threads: a 9-row verify took 3 calls); oneDNN's packed fp32 kernel keeps
+# them for 2..64 rows and is 1.6-2.4x faster than F.linear for 1..64 rows of SmolLM2's head
+_SUPPORTED_FP32 = torch.backends.mkldnn.is_available()
 
 
 def packed_weights(weights: Sequence[Tensor]) -> Tensor:
@@ -64,15 +70,14 @@ def packed_weights(weights: Sequence[Tensor]) -> Tensor:
 
 
 def packed_weight(weight: Tensor) -> Tensor:
-    """The oneDNN-packed copy of a 2-D bf16 CPU weight, made on first use, remade when it was written."""
+    """The oneDNN-packed copy of a 2-D bf16 or fp32 CPU weight, made on first use, remade when it was written."""
     return packed_weights([weight])
 
 
 def use_packed(x: Tensor, weight: Tensor) -> bool:
     return (
-        _SUPPORTED
-        and x.dtype == torch.bfloat16
-        and weight.dtype == torch.bfloat16
+        (_SUPPORTED if x.dtype == torch.bfloat16 else _SUPPORTED_FP32 and x.dtype == torch.float32)
+        and weight.dtype == x.dtype
         and x.device.type == "cpu"
         and weight.device.type == "cpu"
         and x.numel() <= PACKED_MAX_ROWS * x.shape[-1]
@@ -187,7 +192,7 @@ def fused_linear(x: Tensor, layers: Sequence[nn.Module]) -> Tensor:
     return torch.cat([layer(x) for layer in layers], dim=-1)
 
 
-# (kernel, N, K, dtype) -> (lo, hi): calls of lo..hi rows give every row the same bits
+# (kernel, N, K, dtype, threads) -> (lo, hi): calls of lo..hi rows give every row the same bits
 _row_windows: dict[tuple, tuple[int, int]] = {}
 # the probed windows, kept for later processes (a process's first decoding step spent ~2 s probing SmolLM2's
 # shapes on 2 cores), per CPU and software: the repository's .cache, beside the AOT packages
@@ -249,7 +254,7 @@ def invariant_rows(fn, kind: str, shape: tuple[int, int], dtype: torch.dtype) ->
     some count differs) lo = 2, 4, 8, keeping the widest window. (1, 64) for every SmolLM2 shape on the Xeon with AMX this was written on; (2, 64) for oneDNN's
     bf16 kernel on a [576, 1536] weight on AMD EPYC (Zen 4), where one row takes another kernel than two.
     A window probed once is read back from WINDOWS_FILE by later processes on the same CPU and software."""
-    key = (kind, *shape, dtype)
+    key = (kind, *shape, dtype, torch.get_num_threads())  # windows differ by thread count (fp32 GEMMs)
     window = _row_windows.get(key)
     if window is None:
         disk_key = _windows_key(kind, shape, dtype)
@@ -305,7 +310,7 @@ def _remember(x: Tensor, layers: Sequence[nn.Module], fn) -> None:
     stands for."""
     weights = tuple(layer.weight for layer in layers)
     plans = layers[0].__dict__.setdefault("_plans", {})
-    plans[len(layers), x.dtype] = (
+    plans[len(layers), x.dtype, torch.get_num_threads()] = (
         tuple(layers),
         weights,
         tuple((w._version, w.data_ptr()) for w in weights),
@@ -327,7 +332,7 @@ def _remembered(x: Tensor, layers: Sequence[nn.Module]):
         or torch.compiler.is_compiling()
     ):
         return None
-    plan = plans.get((len(layers), x.dtype))
+    plan = plans.get((len(layers), x.dtype, torch.get_num_threads()))
     if plan is None:
         return None
     for layer, was, w, v in zip(layers, plan[0], plan[1], plan[2]):
@@ -348,7 +353,8 @@ def short_linear(x: Tensor, layers: Sequence[nn.Module]) -> Tensor:
 class Linear(nn.Linear):
     """nn.Linear (same parameters, state-dict keys and training behaviour) whose few-row bf16 inference on
     CPU runs on the packed weight, or on its 4-bit pack `q4` when it has one (`maverick.q4.attach_q4`), and
-    whose few-row fp32 inference runs on its code pack `codes` when it has one (`maverick.codes`)."""
+    whose few-row fp32 inference runs on its code pack `codes` when it has one (`maverick.codes`), else on
+    the packed fp32 weight."""
 
     q4: Q4Weight | None = None
     codes: CodePack | None = None

@@ -84,7 +84,9 @@ def test_gradients_and_other_dtypes_take_f_linear():
     ref(x).float().square().sum().backward()
     torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=0, atol=0)
     with torch.no_grad():
-        assert not use_packed(x.float(), lin.weight.float())
+        assert not use_packed(x.float(), lin.weight)  # mixed dtypes
+        assert use_packed(x.float(), lin.weight.float()) == torch.backends.mkldnn.is_available()  # fp32 packs
+        assert not use_packed(x.half(), lin.weight.half())
         assert not use_packed(torch.randn(PACKED_MAX_ROWS + 1, 64).bfloat16(), lin.weight)
 
 
@@ -226,6 +228,10 @@ def test_probed_windows_are_kept_for_later_processes(tmp_path, monkeypatch):
     try:
         torch.set_num_threads(1 if threads > 1 else 2)
         assert lin._windows_key(*args[1:]) != key
+        # in memory too: the window of another thread count was kept (fp32 GEMMs here: [4, 64] at one
+        # thread, [2, 3] at two; a 9-row call at two threads then gave 1 of 9 rows other bits)
+        invariant_rows(*args)
+        assert len(calls) > 3 * probed
     finally:
         torch.set_num_threads(threads)
 

@@ -680,7 +680,7 @@ def test_config_fields_transformers_honours_are_read_as_it_reads_them_or_refused
     (logits 2.7 apart), layer_types of their own (6.8), a top-level rope_theta beside rope_parameters'
     (we took the top-level one; transformers the rope_parameters one), tie_word_embeddings true with a
     stored head unlike the embeddings (transformers keeps the head; we tied)."""
-    from maverick.checkpoint import hf_model_config
+    from maverick.checkpoint import hf_model_config, load_hf_tables
 
     cfg = tiny()
     make_hf(cfg, tmp_path)
@@ -701,5 +701,8 @@ def test_config_fields_transformers_honours_are_read_as_it_reads_them_or_refused
     cfg_file.write_text(json.dumps(base | {"rope_theta": 10000.0, "rope_parameters": rp}))
     assert hf_model_config(tmp_path)[0].rope_theta == 123456.0
     cfg_file.write_text(json.dumps(base | {"tie_word_embeddings": True}))
-    with pytest.raises(CheckpointError, match="tie_word_embeddings=true but key 'lm_head.weight' differs"):
-        load_hf(tmp_path)
+    for load in (load_hf, load_hf_tables):  # the tables a draft trains against too (train.fit)
+        with pytest.raises(
+            CheckpointError, match="tie_word_embeddings=true but key 'lm_head.weight' differs"
+        ):
+            load(tmp_path)
