@@ -150,9 +150,10 @@ class SpecDecoder:
     policy: an object with choose_k / record_draft / record_verify / record_acceptance (eagle3/tuner.py:
     FixedK, HeuristicK, DraftLengthTuner; with a tensor parallel target a DraftLengthTuner's choices are rank
     0's, eagle3.tuner.RankAgreed); the caches and verifies are sized for the longest k it declares (its
-    choices, k_max or k; 8 if none), and a longer choose_k is refused. tree: a TreeConfig to draft trees instead of chains (batch 1),
-    or several: tuned trees, the policy's `choose_tree` picking one per cycle by its measured tokens per
-    second (a DraftLengthTuner with these as its tree_configs; made here when policy is None).
+    choices, k_max or k; 8 if none), and a longer choose_k is refused. tree: a TreeConfig to draft trees
+    instead of chains (batch 1), or several: tuned trees, the policy's `choose_tree` picking one per cycle by
+    its measured tokens per second (a DraftLengthTuner with these as its tree_configs; made here when policy
+    is None); at temperature > 0 each cycle's tree is cut by TreeConfig.for_sampling.
     compile_draft: on CPU, the draft's cache calls (one-token steps and catch-ups) as one compiled graph
     (eagle3/compiled_draft.py; a tree's masked expansion runs eagerly on the slots in use); on CUDA, the
     one-token draft step torch.compiled (CUDA graphs; fixed shapes: it attends over the whole preallocated

@@ -423,18 +423,7 @@ def test_bench_runs_eagle3_k0(tmp_path):
     from eval import bench
 
     out = tmp_path / "r"
-    argv = [
-        "--n",
-        "1",
-        "--turns",
-        "1",
-        "--max-new-tokens",
-        "4",
-        "--methods",
-        "ours-plain,eagle3-k0",
-        "--out",
-        str(out),
-    ]
+    argv = "--n 1 --turns 1 --max-new-tokens 4 --methods ours-plain,eagle3-k0".split() + ["--out", str(out)]
     assert bench.main(argv) == 0  # 0: the tokens equal ours-plain's
     k0 = next(s for s in load_report(out / "report.json")[2] if s.method == "eagle3-k0")
     assert k0.tau == 1.0 and k0.mismatches == 0 and k0.draft_length_counts == [k0.cycles] and k0.cycles > 0
