@@ -227,16 +227,7 @@ def from_hf(sd: dict[str, Tensor], cfg: Llama4Config, source: str = "checkpoint"
     if unknown:
         more = " ..." if len(unknown) > 5 else ""
         raise UserError(f"{source}: unexpected key(s) for {ARCHITECTURE} {sorted(unknown)[:5]}{more}")
-    if cfg.tie_word_embeddings and "lm_head.weight" in out:
-        if not torch.equal(
-            out["lm_head.weight"], out.get("model.embed_tokens.weight", out["lm_head.weight"])
-        ):
-            raise UserError(
-                f"{source}: tie_word_embeddings=true but key 'lm_head.weight' differs from "
-                "'model.embed_tokens.weight'"
-            )
-        del out["lm_head.weight"]
-    return out
+    return out  # a tied head stored beside its embeddings is checked and dropped by checkpoint.build_model
 
 
 def to_hf(sd: dict[str, Tensor], cfg: Llama4Config) -> dict[str, Tensor]:

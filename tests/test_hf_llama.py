@@ -291,3 +291,23 @@ def test_rope_scaling_wins_over_rope_parameters_as_in_transformers(tmp_path):
     with torch.no_grad():
         assert rel_err(ours(x).logits, ref(x).logits) < 1e-5
     del hf
+
+
+def test_a_tied_config_with_another_stored_head_is_refused(tmp_path):
+    """tie_word_embeddings true with a stored lm_head unlike the embeddings (transformers keeps the head): refused
+    by the model's loader and by the tables a draft trains against; a stored copy of the embeddings loads."""
+    from maverick.checkpoint import CheckpointError, load_hf_tables
+
+    make_hf(tmp_path, tie_word_embeddings=False)
+    cfg_file = tmp_path / "config.json"
+    cfg_file.write_text(json.dumps(json.loads(cfg_file.read_text()) | {"tie_word_embeddings": True}))
+    for load in (load_hf, load_hf_tables):
+        with pytest.raises(
+            CheckpointError, match="tie_word_embeddings=true but key 'lm_head.weight' differs"
+        ):
+            load(tmp_path)
+    (weights,) = tmp_path.glob("*.safetensors")
+    sd = load_file(str(weights))
+    save_file(sd | {"lm_head.weight": sd["model.embed_tokens.weight"].clone()}, str(weights))
+    m = load_hf(tmp_path)
+    assert m.lm_head.weight is m.model.embed_tokens.weight
