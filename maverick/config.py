@@ -211,13 +211,13 @@ class Llama4Config:
         cfg = cls(**kwargs, extra=extra)
         # transformers masks by the given layer_types (chunked only with a chunk size); we derive them
         given = extra.get("layer_types")
-        chunked = [cfg.is_chunked(i) for i in range(cfg.num_hidden_layers)]
-        if given is not None and [t == "chunked_attention" and cfg.attention_chunk_size is not None
-                                  for t in given] != chunked:  # fmt: skip
-            raise ValueError(
-                f"layer_types {given} differ from what no_rope_layers and attention_chunk_size make of the layers "
-                f"(chunked: {chunked}); layer types of their own are not supported"
-            )
+        if given is not None:
+            chunked = [cfg.is_chunked(i) for i in range(cfg.num_hidden_layers)]
+            if [t == "chunked_attention" and cfg.attention_chunk_size is not None for t in given] != chunked:
+                raise ValueError(
+                    f"layer_types {given} differ from what no_rope_layers and attention_chunk_size make of the "
+                    f"layers (chunked: {chunked}); layer types of their own are not supported"
+                )
         return cfg
 
     def to_hf_dict(self) -> dict[str, Any]:

@@ -74,16 +74,21 @@ def packed_weight(weight: Tensor) -> Tensor:
     return packed_weights([weight])
 
 
-def use_packed(x: Tensor, weight: Tensor) -> bool:
+def few_row_inference(x: Tensor, weights: Sequence[Tensor]) -> bool:
+    """What every row-count-safe kernel here needs: x at most PACKED_MAX_ROWS CPU rows of the weights' dtype,
+    the weights on the CPU, no gradient wanted, not traced by torch.compile."""
     return (
-        (_SUPPORTED if x.dtype == torch.bfloat16 else _SUPPORTED_FP32 and x.dtype == torch.float32)
-        and weight.dtype == x.dtype
-        and x.device.type == "cpu"
-        and weight.device.type == "cpu"
+        x.device.type == "cpu"
+        and all(w.dtype == x.dtype and w.device.type == "cpu" for w in weights)
         and x.numel() <= PACKED_MAX_ROWS * x.shape[-1]
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)))
         and not torch.compiler.is_compiling()
     )
+
+
+def use_packed(x: Tensor, weight: Tensor) -> bool:
+    supported = _SUPPORTED if x.dtype == torch.bfloat16 else _SUPPORTED_FP32 and x.dtype == torch.float32
+    return supported and few_row_inference(x, [weight])
 
 
 def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
@@ -121,14 +126,7 @@ def weight_matmul(x: Tensor, w: Tensor) -> Tensor:
     """x @ w for a [K, N] weight (the MoE's experts, stored [E, K, N] as HF stores them), row-count safe
     (`row_safe`) in few-row CPU inference: an expert's rows of a verify must have the bits they have alone
     (fp32: 14 of 32 tiny-MoE verifies differed from decoding their tokens one by one)."""
-    if (
-        x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.bfloat16)
-        and w.dtype == x.dtype
-        and 0 < x.numel() <= PACKED_MAX_ROWS * x.shape[-1]
-        and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-        and not torch.compiler.is_compiling()
-    ):
+    if x.dtype in (torch.float32, torch.bfloat16) and x.numel() > 0 and few_row_inference(x, [w]):
         return row_safe(lambda c: c @ w, "matmul", (w.shape[1], w.shape[0]), x.dtype)(x)
     return x @ w
 
@@ -137,14 +135,7 @@ def use_fp32_rows(x: Tensor, weights: Sequence[Tensor]) -> bool:
     """Whether a few-row fp32 CPU inference call goes through `row_safe` `F.linear`: MKL's fp32 GEMM gives a
     row other bits in a call of 9 rows than alone (every shape tried, up to 6e-6), so an fp32 target's
     verify would not be its decoding, and greedy speculative decoding not plain decoding's tokens."""
-    return (
-        x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and all(w.dtype == torch.float32 and w.device.type == "cpu" for w in weights)
-        and x.numel() <= PACKED_MAX_ROWS * x.shape[-1]
-        and not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)))
-        and not torch.compiler.is_compiling()
-    )
+    return x.dtype == torch.float32 and few_row_inference(x, weights)
 
 
 def group_linear(x: Tensor, weights: Sequence[Tensor]) -> Tensor:
@@ -251,8 +242,9 @@ def invariant_rows(fn, kind: str, shape: tuple[int, int], dtype: torch.dtype) ->
     choose their code path by shape, not by values, so this is probed once per (kernel, shape, dtype): 64
     random rows of each of `_probe_inputs`, in calls of r rows for every r (a differing accumulation order
     shows in only a few of the 64 x N results, and on some inputs in none), first with lo = 1, then (if
-    some count differs) lo = 2, 4, 8, keeping the widest window. (1, 64) for every SmolLM2 shape on the Xeon with AMX this was written on; (2, 64) for oneDNN's
-    bf16 kernel on a [576, 1536] weight on AMD EPYC (Zen 4), where one row takes another kernel than two.
+    some count differs) lo = 2, 4, 8, keeping the widest window. (1, 64) for every SmolLM2 shape on the Xeon
+    with AMX this was written on; (2, 64) for oneDNN's bf16 kernel on a [576, 1536] weight on AMD EPYC (Zen
+    4), where one row takes another kernel than two.
     A window probed once is read back from WINDOWS_FILE by later processes on the same CPU and software."""
     key = (kind, *shape, dtype, torch.get_num_threads())  # windows differ by thread count (fp32 GEMMs)
     window = _row_windows.get(key)
