@@ -530,11 +530,15 @@ def load_draft(
     d2t, t2d = sd["d2t"].long(), sd["t2d"].bool()
     check_vocab_maps(d2t, t2d, str(path))
     embed = sd.get("embed_tokens.weight")
-    if embed is not None and tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
-        raise UserError(
-            f"{path}: embed_tokens.weight is {list(embed.shape)}, not [vocab_size, hidden_size] = "
-            f"{[cfg.vocab_size, cfg.hidden_size]} of {cfg_file}"
-        )
+    if embed is not None:
+        if tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise UserError(
+                f"{path}: embed_tokens.weight is {list(embed.shape)}, not [vocab_size, hidden_size] = "
+                f"{[cfg.vocab_size, cfg.hidden_size]} of {cfg_file}"
+            )
+        # a few rows, to say whether they are the target's (`embeddings_note`)
+        rows = torch.linspace(0, cfg.vocab_size - 1, min(EMBED_PROBE_ROWS, cfg.vocab_size)).long().unique()
+        draft.file_embed_rows = (rows, embed[rows].float())
     tensors = {
         k: (v.to(device) if k in ("d2t", "t2d") else v.to(device=device, dtype=dtype))
         for k, v in sd.items()
@@ -544,9 +548,6 @@ def load_draft(
     draft.load_state_dict(tensors, strict=True, assign=True)
     draft.inv_freq = _inv_freq(cfg).to(device)
     draft.source = str(cfg_file)
-    if embed is not None:  # a few rows, to say whether they are the target's (`embeddings_note`)
-        rows = torch.linspace(0, cfg.vocab_size - 1, min(EMBED_PROBE_ROWS, cfg.vocab_size)).long().unique()
-        draft.file_embed_rows = (rows, embed[rows].float())
     return draft.eval()
 
 
