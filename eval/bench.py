@@ -81,7 +81,7 @@ from eagle3.tuner import DraftLengthTuner, FixedK
 from eval.distcheck import DistCheck, check_method
 from eval.llama_cpp import LlamaCpp, check_sampling, is_llama_cpp, require
 from eval.prompts import BENCHMARKS, answer_text, chat_ids, check_prompts_option, load_benchmark
-from eval.report import BOLD_RED, RESET, RunRecord, print_table, summarise, write_report
+from eval.report import BOLD_RED, REPORT_FILES, RESET, RunRecord, print_table, summarise, write_report
 from eval.summary import COMPILED_SUFFIX, FP8_SUFFIX, Q4_COMPILED_SUFFIX, Q4_SUFFIX, variant
 from maverick.cli import (
     INTERRUPTED_STATUS,
@@ -732,14 +732,6 @@ def _settings(config: dict) -> dict:
 
 def _prompt_sha(prompt: dict) -> str:
     return hashlib.sha256(json.dumps(prompt, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-REPORT_FILES = (
-    "report.md",
-    "speedup.png",
-    "acceptance.png",
-    "draft_length.png",
-)  # eval.report.write_report's
 
 
 def check_out_dir(out_dir: Path, overwrite: bool) -> None:

@@ -407,6 +407,11 @@ def _json_default(obj: Any) -> Any:
     )
 
 
+PLOTS = ("speedup", "acceptance", "draft_length")  # eval.plots.plot_<name>, written as <name>.png
+# what write_report writes besides report.json (eval.bench refuses an --out holding them without a run)
+REPORT_FILES = ("report.md", *(f"{name}.png" for name in PLOTS))
+
+
 def write_report(
     records: Sequence[RunRecord], summaries: Sequence[MethodSummary], config: dict, out_dir: str | os.PathLike
 ) -> dict[str, Path]:
@@ -427,11 +432,7 @@ def write_report(
         "json": atomic_write(out / "report.json", text),
         "markdown": atomic_write(out / "report.md", to_markdown(summaries)),
     }
-    figures = {
-        "speedup": plots.plot_speedup(summaries),
-        "acceptance": plots.plot_acceptance(summaries),
-        "draft_length": plots.plot_draft_length(summaries),
-    }
+    figures = {name: getattr(plots, f"plot_{name}")(summaries) for name in PLOTS}
     for name, fig in figures.items():
         paths[name] = atomic_write(out / f"{name}.png", plots.to_png(fig))
     return paths
