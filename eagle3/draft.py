@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from maverick.checkpoint import check_state_dict
 from maverick.cli import UserError, read_json_object
-from maverick.config import Llama4Config, check_numbers, rope_scaling_problem
+from maverick.config import Llama4Config, check_numbers, fill_llama3_context, rope_scaling_problem
 from maverick.files import atomic_dir
 from maverick.kv_cache import KVCache, attention_mask
 from maverick.linear import Linear
@@ -175,6 +175,10 @@ class DraftConfig:
         kw.setdefault("rope_theta", rp.get("rope_theta", 10000.0))
         if kw.get("rope_scaling") is None and rp.get("rope_type", "default") != "default":
             kw["rope_scaling"] = rp
+        # as transformers' LlamaConfig reads it (the engines build on it): its max_position_embeddings default
+        kw["rope_scaling"] = fill_llama3_context(
+            kw.get("rope_scaling"), d.get("max_position_embeddings") or 2048
+        )
         if kw.get("rope_scaling") and (problem := rope_scaling_problem(kw["rope_scaling"])):
             raise UserError(f"{source}: {problem}")
         kw["feature_layers"] = feature_layers_from_hf(d, source)

@@ -77,6 +77,14 @@ def rope_scaling_problem(scaling: dict) -> str | None:
     return f"llama3 rope_scaling lacks {', '.join('rope_scaling.' + k for k in missing)}" if missing else None
 
 
+def fill_llama3_context(scaling: dict | None, max_positions: int) -> dict | None:
+    """A llama3 rope_scaling without `original_max_position_embeddings` read as transformers reads it: the
+    model's max_position_embeddings (it warns that the two should differ, and computes with it)."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "llama3":
+        return scaling
+    return {"original_max_position_embeddings": max_positions} | scaling
+
+
 @dataclass
 class Llama4Config:
     vocab_size: int = 202048
@@ -202,6 +210,11 @@ class Llama4Config:
         elif d.get("rope_scaling") and "rope_theta" in d["rope_scaling"]:
             d["rope_scaling"] = dict(d["rope_scaling"])
             d["rope_theta"] = d["rope_scaling"].pop("rope_theta")
+        # transformers' default max_position_embeddings here, not ours (Maverick's)
+        d["rope_scaling"] = fill_llama3_context(
+            d.get("rope_scaling"),
+            d.get("max_position_embeddings", HF_TEXT_DEFAULTS["max_position_embeddings"]),
+        )
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported (SwiGLU with silu only)")
         if d.get("head_dim") is None and "hidden_size" in d and "num_attention_heads" in d:

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from maverick.cli import UserError
-from maverick.config import Llama4Config, check_numbers, dense_llama_fields
+from maverick.config import Llama4Config, check_numbers, dense_llama_fields, fill_llama3_context
 
 ARCHITECTURE = "LlamaForCausalLM"
 MODEL_TYPE = "llama"
@@ -80,6 +80,7 @@ def _rope(d: dict[str, Any], source: str) -> tuple[float, dict | None]:
     if rtype != "llama3":
         raise UserError(f"{source}: {field}.rope_type is {rtype!r}; supported: 'default', 'llama3'")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    rp = fill_llama3_context(rp | {"rope_type": rtype}, d.get("max_position_embeddings", 2048))
     missing = [k for k in keys if k not in rp]
     if missing:
         raise UserError(f"{source}: llama3 {field} lacks {', '.join(f'{field}.{k}' for k in missing)}")

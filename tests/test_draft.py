@@ -211,3 +211,28 @@ def test_default_feature_layers_are_layer_order_for_every_depth():
         if L >= 7:
             assert taps == (2, L // 2, L - 3)
     assert default_feature_layers(30) == (2, 15, 27) and default_feature_layers(4) == (1, 2, 3)
+
+
+def test_llama3_scaling_without_its_context_length_reads_as_transformers_llama_config(tmp_path):
+    """A draft's llama3 rope_scaling without original_max_position_embeddings was refused; the engines read the
+    draft's config through transformers' LlamaConfig, which fills it with max_position_embeddings (2048
+    when that is absent too): so do we, and the draft's rotary frequencies are the ones its config gives."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    save_draft(Eagle3Draft(DraftConfig.for_target(get_config("tiny-dense"), 512)), tmp_path / "d")
+    cfg = tmp_path / "d" / "config.json"
+    base = json.loads(cfg.read_text())
+    base.pop("rope_parameters", None)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    for max_pos in (4096, None):
+        d = base | {"rope_scaling": dict(scaling)}
+        if max_pos is None:
+            del d["max_position_embeddings"]
+        cfg.write_text(json.dumps(d))
+        draft = load_draft(tmp_path / "d")
+        hf = LlamaConfig(**json.loads(json.dumps(d)))  # (it edits the dicts it is given)
+        want = hf.rope_parameters["original_max_position_embeddings"]
+        assert draft.config.rope_scaling["original_max_position_embeddings"] == want == (max_pos or 2048)
+        hf_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+        assert torch.equal(draft.inv_freq, hf_freq.float())

@@ -311,3 +311,21 @@ def test_a_tied_config_with_another_stored_head_is_refused(tmp_path):
     save_file(sd | {"lm_head.weight": sd["model.embed_tokens.weight"].clone()}, str(weights))
     m = load_hf(tmp_path)
     assert m.lm_head.weight is m.model.embed_tokens.weight
+
+
+def test_llama3_scaling_without_its_context_length_reads_as_in_transformers(tmp_path):
+    """A llama3 rope_scaling without original_max_position_embeddings was refused; transformers reads it as
+    max_position_embeddings (with a warning) and computes with it: so do we, logits within 1e-5 of HF's."""
+    make_hf(tmp_path / "hf", **VARIANTS["untied-gqa-llama3"])
+    d = json.loads((tmp_path / "hf" / "config.json").read_text())
+    rp = d.pop("rope_parameters")
+    del rp["original_max_position_embeddings"]
+    _edit_config(tmp_path / "hf", tmp_path / "filled", rope_parameters=rp)
+    ours = load_hf(tmp_path / "filled")
+    assert ours.config.rope_scaling["original_max_position_embeddings"] == 256  # max_position_embeddings
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "filled").eval()
+    x = torch.randint(0, 256, (1, 200))
+    with torch.no_grad():
+        assert rel_err(ours(x).logits, hf(x).logits) < 1e-5
+        # the control: the context length of the file it came from (32) is another model
+        assert rel_err(load_hf(tmp_path / "hf")(x).logits, hf(x).logits) > 1e-3

@@ -706,3 +706,27 @@ def test_config_fields_transformers_honours_are_read_as_it_reads_them_or_refused
             CheckpointError, match="tie_word_embeddings=true but key 'lm_head.weight' differs"
         ):
             load(tmp_path)
+
+
+def test_llama3_scaling_without_its_context_length_reads_as_in_transformers():
+    """Llama 4: a llama3 rope_scaling without original_max_position_embeddings takes max_position_embeddings,
+    transformers' default (131072) when that is absent too; the frequencies are HF's, bit for bit."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from maverick.model import rope_inv_freq
+
+    d = {"hidden_size": 64, "intermediate_size": 128, "intermediate_size_mlp": 128, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256}  # fmt: skip
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    for extra in ({"max_position_embeddings": 4096}, {}):
+        for key in ("rope_scaling", "rope_parameters"):
+            hf = Llama4TextConfig(**d, **extra, **{key: dict(scaling, rope_theta=500000.0)})
+            ours = Llama4Config.from_hf_dict(d | extra | {key: dict(scaling, rope_theta=500000.0)})
+            want = hf.rope_parameters["original_max_position_embeddings"]
+            assert (
+                ours.rope_scaling["original_max_position_embeddings"]
+                == want
+                == extra.get("max_position_embeddings", 131072)
+            )
+            hf_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+            assert torch.equal(rope_inv_freq(ours), hf_freq.float())
