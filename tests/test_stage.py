@@ -564,3 +564,18 @@ def test_training_resumes_only_on_its_vocabulary_and_samples(tmp_path, monkeypat
     assert (
         run(target, data, out, *first, "--init-draft", str(tmp_path / "a"))["phases"]["train"]["steps"] == 6
     )
+
+
+def test_with_max_steps_the_lr_follows_the_steps(tmp_path):
+    """The LR's cosine ran over the share of the time budget spent, even with --max-steps: two runs of the
+    same steps had other learning rates (2.4e-4 apart in an A/B pair). With --max-steps it follows the steps."""
+    from train.fastfit import TimeSchedule
+
+    torch.set_num_threads(1)
+    target, data = make_data(tmp_path)
+    out = tmp_path / "s"
+    run(target, data, out, "--max-conversations", "2", "--warmup", "2", "--log-every", "1", "--lr", "1e-3")
+    lrs = [json.loads(x)["lr"] for x in (out / "train_log.jsonl").read_text().splitlines()]
+    sched = TimeSchedule(2)
+    assert lrs == [pytest.approx(1e-3 * sched(s, s / 6), rel=1e-12) for s in range(6)]
+    assert lrs[-1] < 0.3e-3  # the cosine ran down within the 6 steps, not over the 5 minutes

@@ -145,9 +145,9 @@ def weighted_loss(ce: Tensor, counts: Tensor, decay: float) -> Tensor:
 
 
 class TimeSchedule:
-    """lr multiplier from the share of the time budget spent: linear warmup over the first `warmup` steps,
-    then cosine from 1 to `min_ratio` as the elapsed time goes from 0 to the budget (a time-boxed run does not
-    know its step count in advance)."""
+    """lr multiplier from the share of the run done: linear warmup over the first `warmup` steps, then cosine
+    from 1 to `min_ratio` as the share goes from 0 to 1: of the time budget (a time-boxed run does not know its
+    step count in advance), or of the steps where a run is given their number (train.stage --max-steps)."""
 
     def __init__(self, warmup: int, min_ratio: float = 0.1):
         self.warmup, self.min_ratio = warmup, min_ratio

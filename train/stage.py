@@ -462,7 +462,13 @@ class Stage:
                     loss = weighted_loss(ce, counts, a.decay)
                 loss.backward()
                 gn = torch.nn.utils.clip_grad_norm_(draft.parameters(), a.grad_clip)
-                lr = a.lr * sched(step, (spent + time.perf_counter() - t_run) / max(budget, 1e-9))
+                # with --max-steps the schedule follows the steps, so that runs repeat; else the time spent
+                done = (
+                    step / a.max_steps
+                    if a.max_steps
+                    else (spent + time.perf_counter() - t_run) / max(budget, 1e-9)
+                )
+                lr = a.lr * sched(step, done)
                 for g in opt.param_groups:
                     g["lr"] = lr
                 opt.step()
@@ -689,7 +695,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-length", type=positive_int, default=1536, help="tokens per training sample")
     t.add_argument("--precision", choices=("bf16", "fp32"), default="bf16" if cuda else "fp32")
     t.add_argument("--compile", action="store_true", help="torch.compile the TTT step (one graph per bucket)")
-    t.add_argument("--max-steps", type=nonnegative_int, default=None)
+    t.add_argument("--max-steps", type=nonnegative_int, default=None,
+                   help="stop after N steps; the LR's cosine then runs over the steps, not the time budget, "
+                   "so that two runs repeat")  # fmt: skip
     t.add_argument("--log-every", type=positive_int, default=10)
     t.add_argument("--checkpoint-seconds", type=nonnegative_float, default=60.0)
     t.add_argument(
