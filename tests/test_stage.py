@@ -257,19 +257,24 @@ def test_a_failed_regeneration_keeps_every_finished_conversation(tmp_path, monke
     target, data = make_data(tmp_path)
     real = stage.FastGenerator.run
 
+    minutes_then = []
+
     def failing(self, convs, on_done, **kw):
         n = []
 
         def done(ans):
             on_done(ans)
             n.append(1)
+            if len(n) == 2:  # flushed once (--flush-every 2): a SIGKILL here would count the run's minutes
+                minutes_then.append(json.loads((tmp_path / "o" / "stage.json").read_text())["minutes"])
             if len(n) == 3:
                 raise RuntimeError("CUDA out of memory")
 
         return real(self, convs, done, **kw)
 
     monkeypatch.setattr(stage.FastGenerator, "run", failing)
-    s = run(target, data, tmp_path / "o", "--stop-after", "train")
+    s = run(target, data, tmp_path / "o", "--stop-after", "train", "--flush-every", "2")
+    assert minutes_then[0] > 0
     assert "out of memory" in s["phases"]["regen"]["error"]
     kept = answers.read_records(tmp_path / "o" / ANSWERS)
     assert len(kept) == 3 and s["phases"]["train"]["samples"] == len(
@@ -313,8 +318,18 @@ def test_interrupted_training_resumes_from_its_checkpoint(tmp_path, monkeypatch)
     target, data = make_data(tmp_path)
     out = tmp_path / "o"
     revive = kill_training_at(5, monkeypatch)
+    import train.stage as stage
+
+    seen, killing = [], stage.dense_step_sums
+
+    def watched(*a, **kw):  # stage.json's minutes at each step: saved with each checkpoint (a SIGKILL's run)
+        seen.append(json.loads((out / "stage.json").read_text())["minutes"])
+        return killing(*a, **kw)
+
+    monkeypatch.setattr(stage, "dense_step_sums", watched)
     with pytest.raises(RuntimeError, match="killed"):
         run(target, data, out, "--checkpoint-seconds", "0", "--max-conversations", "5")
+    assert len(seen) == 5 and seen[4] > seen[1] > seen[0]
     killed = json.loads((out / "stage.json").read_text())
     assert (out / "train_state.pt").is_file() and set(killed["phases"]) == {"regen"}
     assert killed["minutes"] > 0  # the killed run's minutes count (they were added at a run's end only)
@@ -523,9 +538,12 @@ def test_a_ctrl_c_in_training_saves_the_state_and_the_draft(tmp_path, monkeypatc
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
     assert torch.load(out / "train_state.pt", weights_only=True)["step"] == 3
     assert json.loads((out / "draft" / "training.json").read_text())["interrupted"] is True
+    steps = lambda: [json.loads(x)["step"] for x in (out / "train_log.jsonl").read_text().splitlines()]  # noqa: E731
+    assert steps() == [2, 3]  # the step after the last record is logged too (a 9-step run had no log)
     monkeypatch.setattr(stage, "dense_step_sums", real)
     s = run(target, data, out)
     assert (s["phases"]["train"]["steps"], s["phases"]["train"]["steps_this_run"]) == (6, 3)
+    assert steps() == [2, 3, 4, 6] and (out / "curve.png").is_file()
     assert "interrupted" not in json.loads((out / "draft" / "training.json").read_text())
 
 

@@ -248,6 +248,7 @@ class Stage:
             new.extend(pending)
             pending.clear()
             last_flush[0] = time.perf_counter()
+            self.save_minutes()  # a run killed outright (SIGKILL) still counts its minutes up to here
 
         def on_done(ans) -> None:
             rec = ans.record()
@@ -437,12 +438,30 @@ class Stage:
                   "samples": fingerprint}  # fmt: skip
             with atomic_path(ck) as tmp:
                 torch.save(st, tmp)
+            self.save_minutes()
 
         def save_bf16_draft(info: dict[str, Any]) -> None:
             """The shipped format: bf16 weights (the fp32 master copy only lives in train_state.pt), written
             from a copy (save_draft writes it from the CPU)."""
             bf16 = copy.deepcopy(draft).to(torch.bfloat16)
             save_draft(bf16, self.out / "draft", {"training.json": json.dumps(info, indent=1)})
+
+        def write_log() -> None:
+            nonlocal n_log, tok_log, t_log
+            dt = time.perf_counter() - t_log
+            c = sums[2].clamp(min=1)
+            loss_i, acc_i = (sums[0] / c).tolist(), (sums[1] / c).tolist()
+            rec = {"step": step, "epoch": epoch, "loss": sum(a.decay**i * v for i, v in enumerate(loss_i)),
+                   "loss_i": [round(v, 5) for v in loss_i], "acc_i": [round(v, 5) for v in acc_i],
+                   "count_i": sums[2].tolist(), "lr": lr, "grad_norm": float(gn), "tokens": tokens,
+                   "tokens_per_s": round(tok_log / dt, 1), "seconds": round(spent + time.perf_counter() - t_run, 1)}  # fmt: skip
+            _append_jsonl(log_path, rec)
+            print(
+                f"step {step} loss {rec['loss']:.3f} acc0 {acc_i[0]:.3f} tok/s {rec['tokens_per_s']:.0f}",
+                flush=True,
+            )
+            sums.zero_()
+            n_log, tok_log, t_log = 0, 0, time.perf_counter()
 
         # a Ctrl-C (the device script's hang guard sends one) ends the step under way; then the state and the
         # draft are saved before it goes on up: a rerun resumes from this step, not from the last
@@ -480,23 +499,12 @@ class Stage:
                 step, pos, n_log = step + 1, pos + 1, n_log + 1
                 sums += torch.stack((ce.detach().float(), correct, counts))
                 if step % a.log_every == 0 or step == a.max_steps:
-                    dt = time.perf_counter() - t_log
-                    c = sums[2].clamp(min=1)
-                    loss_i, acc_i = (sums[0] / c).tolist(), (sums[1] / c).tolist()
-                    rec = {"step": step, "epoch": epoch, "loss": sum(a.decay**i * v for i, v in enumerate(loss_i)),
-                           "loss_i": [round(v, 5) for v in loss_i], "acc_i": [round(v, 5) for v in acc_i],
-                           "count_i": sums[2].tolist(), "lr": lr, "grad_norm": float(gn), "tokens": tokens,
-                           "tokens_per_s": round(tok_log / dt, 1), "seconds": round(spent + time.perf_counter() - t_run, 1)}  # fmt: skip
-                    _append_jsonl(log_path, rec)
-                    print(
-                        f"step {step} loss {rec['loss']:.3f} acc0 {acc_i[0]:.3f} tok/s {rec['tokens_per_s']:.0f}",
-                        flush=True,
-                    )
-                    sums.zero_()
-                    n_log, tok_log, t_log = 0, 0, time.perf_counter()
+                    write_log()
                 if time.perf_counter() - t_ck > a.checkpoint_seconds:
                     save_ck()
                     t_ck = time.perf_counter()
+        if n_log:  # the steps since the last record (the budget or a Ctrl-C ended the run between two)
+            write_log()
         if stop:
             save_ck()
             save_bf16_draft({"stage": str(self.out), "steps": step, "tokens": tokens, "interrupted": True})
