@@ -99,7 +99,8 @@ class CompiledDraft:
         self.base = draft
         self.max_len = max_len
         self.max_rows = max_rows
-        self.slots = -(-(max_len + max_rows) // SPAN) * SPAN
+        # at least 3 blocks: the exported key span is a dynamic 2..slots // SPAN blocks, and a range needs two
+        self.slots = max(-(-(max_len + max_rows) // SPAN), 3) * SPAN
         self.step = _DraftStep(draft).eval()
         self.aot = aot
         self.options = {"freezing": True} if aot else {"cpp_wrapper": cpp_wrapper, "freezing": True}
@@ -181,9 +182,10 @@ class CompiledDraft:
     def rows_limit(self, batch: int) -> int:
         """The most new tokens a compiled call of `batch` rows takes: max_rows, and at most 64 rows in all (the
         linears run one row-count-safe call of up to 64 rows: a graph exported past that for a batch of 3 stopped
-        torch.export); 0 when even MIN_ROWS do not fit (such batches run eager)."""
+        torch.export); 0 when no more than MIN_ROWS fit (an exported dynamic dimension needs a range: such
+        batches run eager)."""
         limit = min(self.max_rows, PACKED_MAX_ROWS // batch)
-        return limit if limit >= MIN_ROWS else 0
+        return limit if limit > MIN_ROWS else 0
 
     def _package(self, args: tuple[Tensor, ...]) -> Callable:
         """The step's AOTInductor package for this batch size, loaded from disk or built (maverick/aot.py):

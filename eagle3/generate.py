@@ -31,7 +31,7 @@ import torch
 
 from eagle3.draft import DEFAULT_DRAFT, check_draft_fits, load_draft
 from eagle3.lookup import LookupConfig
-from eagle3.spec import SpecDecoder, TreeConfig
+from eagle3.spec import SpecDecoder, TreeConfig, spare_slots
 from eagle3.tuner import DraftLengthTuner, FixedK
 from maverick.cli import (
     ArgumentParser,
@@ -157,8 +157,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     check_draft_fits(draft.config, target.config, draft.source)
 
     trees = list(dict.fromkeys(t.for_sampling(sampling) for t in args.tree or ()))
-    room = max(128, max((t.total_tokens for t in trees), default=0) + 32)  # slots past the answer for drafts
-    max_len = len(ids) + args.max_new_tokens + room
+    max_len = len(ids) + args.max_new_tokens + spare_slots(trees)
     # the engine the speculative decoder and --check's plain decoder share
     model = for_engine(target, args.engine, max_len, draft.config.feature_layers)
     if args.engine == "compiled":

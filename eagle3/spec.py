@@ -74,6 +74,13 @@ class TreeConfig:
         """D,K,T: how the command lines write a tree (eagle3.generate --tree, eval.bench --tree-candidates)."""
         return f"{self.depth},{self.top_k},{self.total_tokens}"
 
+    @property
+    def draft_slots(self) -> int:
+        """The draft-cache slots an expansion may write past the committed tokens: a draft call over each
+        level's frontier but the last's, top_k nodes each when greedy (a wide tree's (depth - 1) * top_k can
+        pass total_tokens), every node when sampled (at most total_tokens in all)."""
+        return max((self.depth - 1) * self.top_k, self.total_tokens)
+
     def for_sampling(self, sampling: SamplingParams | None) -> TreeConfig:
         """The tree to draft under `sampling`: this one when greedy. Sampling verifies a full tree (every node
         drawn, none pruned: pruning by value would bias the output), so at temperature > 0 the tree is cut to
@@ -87,6 +94,12 @@ class TreeConfig:
         while depth < self.depth and sum(k**d for d in range(1, depth + 2)) <= self.total_tokens:
             depth += 1
         return TreeConfig(depth, k, sum(k**d for d in range(1, depth + 1)))
+
+
+def spare_slots(trees: Sequence[TreeConfig] = ()) -> int:
+    """The cache slots past prompt and answer the command lines give a run's drafts: 128, or a wide tree's
+    frontiers and 32 (at least the `room` a SpecDecoder of those trees asks for, with the default lookup)."""
+    return max(128, max((t.draft_slots for t in trees), default=0) + 32)
 
 
 @dataclass
@@ -239,6 +252,9 @@ class SpecDecoder:
                 f"{EXACT_ATTENTION_MAX_T - 1} tokens (maverick.model.EXACT_ATTENTION_MAX_T)"
             )
         self.k_max = k_max  # the most tokens a cycle verifies, the last committed one aside
+        # the slots past the committed tokens a cycle may write: a verify's k_max + 1 (both caches), a greedy
+        # tree's frontiers (the draft's), and a margin; generate refuses a budget that leaves fewer
+        self.room = max(k_max + 1, *(t.draft_slots for t in trees), 8) + 2
         self._k_max_from = what
         cuda = next(draft.parameters()).is_cuda
         # on CPU the draft's cache calls (chain steps and catch-ups) run as one compiled graph, a tree's masked
@@ -313,8 +329,11 @@ class SpecDecoder:
         greedy = sampling is None or sampling.greedy
         if self.tcache.batch_size != B:
             self._caches(B)
-        if max(len(p) for p in prompts) + max_new_tokens + max(self.k_max + 1, 8) + 2 > self.max_len:
-            raise ValueError(f"prompt + {max_new_tokens} new tokens exceed max_len={self.max_len}")
+        if max(len(p) for p in prompts) + max_new_tokens + self.room > self.max_len:
+            raise ValueError(
+                f"prompt + {max_new_tokens} new tokens + {self.room} slots for a cycle's drafts exceed "
+                f"max_len={self.max_len}"
+            )
         dev = self.target.device
         stats = SpecStats()
         t0 = time.perf_counter()

@@ -76,7 +76,7 @@ from eagle3.datastore import Datastore, beside_draft
 from eagle3.draft import DEFAULT_DRAFT, load_draft
 from eagle3.generate import tree_specs
 from eagle3.lookup import LookupConfig
-from eagle3.spec import SpecDecoder, TreeConfig
+from eagle3.spec import SpecDecoder, TreeConfig, spare_slots
 from eagle3.tuner import DraftLengthTuner, FixedK
 from eval.distcheck import DistCheck, check_method
 from eval.llama_cpp import LlamaCpp, check_sampling, is_llama_cpp, require
@@ -380,8 +380,10 @@ class Runner:
 
 
 def bench_max_len(args) -> int:
-    """The cache length every decoder of a run gets: two turns of the longest prompt and answer."""
-    return args.max_prompt_tokens * 2 + args.max_new_tokens * 2 + 128
+    """The cache length every decoder of a run gets: two turns of the longest prompt and answer, and room for
+    a cycle's drafts (a wide tree's frontiers may need more than 128 slots)."""
+    trees = [TreeConfig(args.tree_depth, args.tree_top_k, args.tree_tokens), *args.tree_candidates]
+    return args.max_prompt_tokens * 2 + args.max_new_tokens * 2 + spare_slots(trees)
 
 
 def compiled_engine(target, draft, args):

@@ -241,7 +241,7 @@ def profile_method(decoder, ids: list[int], steps: int, device: str) -> dict | N
 
     try:
         if isinstance(decoder, SpecDecoder):
-            room = decoder.max_len - len(ids) - max(decoder.k_max + 1, 8) - 2  # SpecDecoder.generate's check
+            room = decoder.max_len - len(ids) - decoder.room  # SpecDecoder.generate's check
             decoder.generate([ids], max(room, 5 + steps + 8), None, (), on_cycle=step)
         else:
             decoder.generate([ids], 5 + steps + 8, None, (), on_tokens=step)

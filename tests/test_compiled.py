@@ -595,7 +595,7 @@ def test_compiled_draft_takes_a_batch_of_three(engine):
     graph's row count went to max_rows 32); its rows now stop at 21, and a longer call runs eager."""
     draft = make_draft(engine.base)
     comp = CompiledDraft(draft, MAX_LEN, max_rows=32)
-    assert [comp.rows_limit(b) for b in (1, 2, 3, 32, 33)] == [32, 32, 21, 2, 0]
+    assert [comp.rows_limit(b) for b in (1, 2, 3, 21, 22, 32, 33)] == [32, 32, 21, 3, 0, 0, 0]
     H = draft.config.hidden_size
     g = torch.Generator().manual_seed(12)
     ce, cc = draft.new_cache(3, MAX_LEN), comp.new_cache(3, MAX_LEN)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import eagle3.spec as spec_mod
-from eagle3.compiled_draft import CompiledDraft
+from eagle3.compiled_draft import SPAN, CompiledDraft
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.spec import SpecDecoder, TreeConfig
 from eagle3.tuner import DraftLengthTuner, FixedK, HeuristicK
@@ -509,3 +509,40 @@ def test_fp32_target_with_near_tied_logits_emits_plain_decodings_tokens():
         chain = SpecDecoder(t, d, max_len=160, policy=FixedK(4)).generate([p], 40).tokens[0]
         tree = SpecDecoder(t, d, max_len=200, tree=TreeConfig(3, 3, 10)).generate([p], 40).tokens[0]
         assert chain == plain and tree == plain, seed
+
+
+def test_a_wide_trees_frontiers_are_sized_up_front(target):
+    """A greedy tree writes (depth - 1) * top_k frontier nodes to the draft cache past the committed tokens:
+    5,8,8 writes 32 where the check reserved total_tokens + 3 (11), so a request it accepted stopped on a KV
+    cache overflow after 11 of 30 tokens. Now refused up front; with the room it asks for, plain decoding's."""
+    p = prompts(1)[0]
+    tree = TreeConfig(5, 8, 8)
+    ref = Decoder(target, max_len=128).generate([p], 30).tokens[0]
+    tight = SpecDecoder(target, make_draft(target), max_len=len(p) + 30 + 11, tree=tree)
+    assert tight.room == 32 + 2
+    with pytest.raises(ValueError, match="34 slots for a cycle's drafts exceed max_len"):
+        tight.generate([p], 30)
+    dec = SpecDecoder(target, make_draft(target), max_len=len(p) + 30 + tight.room, tree=tree)
+    assert dec.generate([p], 30).tokens[0] == ref
+
+
+@pytest.mark.skipif(not supported(), reason="the compiled draft needs torch >= 2.13 on CPU")
+def test_a_compiled_draft_for_a_short_cache_exports(target):
+    """A compiled draft exports its key span as a dynamic 2..slots // SPAN blocks: for max_len <= 96 that
+    was 2..2, which torch.export refuses (a traceback at the first draft step)."""
+    p = prompts(1)[0]
+    ref = Decoder(target, max_len=96).generate([p], 20).tokens[0]
+    dec = SpecDecoder(target, make_draft(target), max_len=96, policy=FixedK(3), compile_draft=True)
+    assert dec.draft.slots == 3 * SPAN  # 96 + 32 rows in two blocks, and a third
+    assert dec.generate([p], 20).tokens[0] == ref
+
+
+@pytest.mark.parametrize("tree", [TreeConfig(12, 12, 40), TreeConfig(5, 8, 8), TreeConfig(3, 4, 12)])
+def test_the_command_lines_room_holds_a_trees_cycle(target, tree):
+    """eagle3.generate and eval.bench size their caches with spare_slots: it gave a tree total_tokens + 32
+    (at least 128), and `--tree 12,12,40` stopped on a draft cache overflow at 58 of 60 tokens."""
+    from eagle3.lookup import LookupConfig
+    from eagle3.spec import spare_slots
+
+    dec = SpecDecoder(target, make_draft(target), max_len=512, tree=tree, lookup=LookupConfig())
+    assert dec.room <= spare_slots([tree])
