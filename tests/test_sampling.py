@@ -89,6 +89,11 @@ def test_logits_to_probs_hand_computed():
     assert got.dtype == torch.float32 and got.shape == (1, 5)
     torch.testing.assert_close(got[0], torch.softmax(logits / 0.5, -1))
     torch.testing.assert_close(logits_to_probs(logits, SamplingParams()), torch.tensor([0.0, 0, 0, 0, 1]))
+    # the order, HF's: temperature before top-p. At T = 2 the top-p 0.8 nucleus is {3, 2, 1} (mass before the
+    # third 0.689); top-p before the temperature (llama.cpp's order) would keep {3, 2} (0.636 before the second)
+    got = logits_to_probs(logits, SamplingParams(temperature=2.0, top_p=0.8))
+    e = torch.tensor([math.e**1, math.e**0.5, 0, 0, math.e**1.5])
+    torch.testing.assert_close(got, e / e.sum(), atol=1e-6, rtol=0)
 
 
 def test_logits_to_probs_top_p_keeps_the_top_token_and_ties_in_top_k():
