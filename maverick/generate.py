@@ -131,6 +131,7 @@ class Decoder:
         engine="compiled": every step on the compiled engine (maverick/compiled.py; `model` may already be
         one, shared with speculative decoders)."""
         self.model = model = for_engine(model, engine, max_len)
+        self.max_len = max_len  # a compiled engine's caches hold more slots (whole blocks): not theirs
         self.exact, self.compiled_step = exact, compile
         self.cache = self._new_cache(batch_size, max_len)
         self.step = torch.compile(self._step, dynamic=False) if compile else self._step
@@ -163,9 +164,9 @@ class Decoder:
         c = self.model.config
         check_lengths(prompts, max_new_tokens, c.max_position_embeddings, vocab_size=c.vocab_size)
         if B != self.cache.batch_size:
-            self.cache = self._new_cache(B, self.cache.max_len)
-        if max(len(p) for p in prompts) + max_new_tokens > self.cache.max_len:
-            raise ValueError(f"prompt + {max_new_tokens} new tokens exceed the cache ({self.cache.max_len})")
+            self.cache = self._new_cache(B, self.max_len)
+        if max(len(p) for p in prompts) + max_new_tokens > self.max_len:
+            raise ValueError(f"prompt + {max_new_tokens} new tokens exceed the cache ({self.max_len})")
         t0 = time.perf_counter()
         window = decode_window(prompts, max_new_tokens, self.cache.max_len) if self.exact else None
         self.cache.set_window(window)
@@ -196,7 +197,7 @@ class Decoder:
                 live, tok = [live[j] for j in keep], tok[idx]
             logits = self.step(tok)
         if len(live) != B:  # a fresh full-size cache for the next call
-            self.cache = self._new_cache(B, self.cache.max_len)
+            self.cache = self._new_cache(B, self.max_len)
         return Generation(out, [len(p) for p in prompts], time.perf_counter() - t0, ttft)
 
 

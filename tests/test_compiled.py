@@ -107,6 +107,20 @@ def test_compiled_greedy_tokens_equal_eager(engine):
         )
 
 
+def test_a_decoder_on_the_engine_takes_any_batch_size(engine):
+    """A Decoder on the engine asked for its new caches at the cache's slot count (whole blocks: 1024 here),
+    which the engine refuses past its max_len (192): a second generate of another batch size raised, and so
+    did drop_finished, after the whole generation (its tokens lost)."""
+    dec = Decoder(engine, max_len=MAX_LEN)
+    alone = [dec.generate([p], 12).tokens[0] for p in PROMPTS]
+    assert dec.generate(PROMPTS, 12).tokens == alone  # two rows after one
+    stop = alone[0][3]  # row 0 stops at its 4th token, row 1 decodes on alone
+    got = dec.generate(PROMPTS, 12, stop_ids=[stop], drop_finished=True).tokens
+    assert got[0] == alone[0][: alone[0].index(stop) + 1] and len(got[1]) > len(got[0])
+    with pytest.raises(ValueError, match=f"exceed the cache \\({MAX_LEN}\\)"):
+        dec.generate(PROMPTS, MAX_LEN)
+
+
 def _own_logits(engines: list[CompiledTarget]) -> None:
     """Each engine's logits are near its own eager model's and far from the first engine's."""
     x = torch.tensor([PROMPTS[1]])
