@@ -691,8 +691,14 @@ class CompiledTarget:
         """The row counts (least, most) of the AOT package that runs bucket R: one package with a dynamic row
         count serves every bucket of 2 rows or more (a dimension of 1 would be specialised), so the buckets
         share one build and one copy of a dense model's frozen weights; a 1-row bucket has its own."""
-        many = [r for r in self.rows if r >= MIN_DYNAMIC_ROWS]
-        return (many[0], many[-1]) if R >= MIN_DYNAMIC_ROWS and len(many) > 1 else (R, R)
+        c = self.base.config
+        # a bucket whose attention rows (G query heads a KV head, times R) are fewer than the fp32 bmm's row
+        # count is padded by a number of rows that depends on R: a guard a dynamic R cannot export past (MHA)
+        least = max(
+            MIN_DYNAMIC_ROWS, -(-(self.step.bmm_rows or 0) * c.num_key_value_heads // c.num_attention_heads)
+        )
+        many = [r for r in self.rows if r >= least]
+        return (many[0], many[-1]) if R >= least and len(many) > 1 else (R, R)
 
     def _package(self, R: int, args: tuple, tree: bool = False) -> Callable:
         """Bucket R's AOTInductor package (of the tree graph when `tree`) for this batch size (maverick/aot.py):

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+import maverick.compiled as compiled_mod
 from eagle3.compiled_draft import CompiledDraft
 from eagle3.draft import DraftConfig, Eagle3Draft
 from eagle3.lookup import LookupConfig
@@ -119,6 +120,26 @@ def test_a_decoder_on_the_engine_takes_any_batch_size(engine):
     assert got[0] == alone[0][: alone[0].index(stop) + 1] and len(got[1]) > len(got[0])
     with pytest.raises(ValueError, match=f"exceed the cache \\({MAX_LEN}\\)"):
         dec.generate(PROMPTS, MAX_LEN)
+
+
+def test_an_mha_engine_builds_and_keeps_the_tokens(monkeypatch):
+    """With one query head a KV head, a bucket's attention rows (G x R) fall below the fp32 bmm's row count
+    for small R, and the padding made a guard on the dynamic row count: export refused (MHA targets, or
+    a CPU whose bmm needs more rows). Such buckets now get packages of their own row count."""
+    if not supported():
+        pytest.skip(f"CPU engines refuse torch {torch.__version__}")
+    monkeypatch.setattr(compiled_mod, "bmm_min_rows", lambda: 4)  # as on the CPUs seen (2..4)
+    cfg = dataclasses.replace(get_config("tiny-dense"), num_hidden_layers=4, num_key_value_heads=4)
+    torch.manual_seed(0)
+    t = Llama4(cfg)
+    t.init_weights(std=0.1)
+    t = t.to(torch.bfloat16).eval()
+    e = CompiledTarget(t, MAX_LEN, FEATURES, rows=(3, 4))
+    assert [e.package_rows(r) for r in (2, 3, 4)] == [(2, 2), (3, 3), (4, 4)]
+    e.compile()
+    plain = Decoder(e, max_len=MAX_LEN).generate([PROMPTS[0]], 24).tokens[0]
+    spec = SpecDecoder(e, make_draft(t), max_len=MAX_LEN, policy=FixedK(2)).generate([PROMPTS[0]], 24)
+    assert spec.tokens[0] == plain  # (verifies of 3 rows: bucket 3's own package)
 
 
 def _own_logits(engines: list[CompiledTarget]) -> None:
