@@ -98,7 +98,10 @@ def share_tensors(runner, module: nn.Module, path: Path) -> None:
     """Give a package built without its constants (`SHARED` options) the module's own parameters and buffers,
     by name, uncopied, so that every package of one module reads one set of weights; constants the trace
     made (index tensors) come from the package's own weight files. They are kept alive on the runner."""
-    tensors = dict(module.named_parameters()) | dict(module.named_buffers())
+    # every name of a tied tensor (the trace may name a tied head by its own name, not the embedding's)
+    tensors = dict(module.named_parameters(remove_duplicate=False)) | dict(
+        module.named_buffers(remove_duplicate=False)
+    )
     names = runner.get_constant_fqns()
     consts = {n: tensors[n].detach() for n in names if n in tensors}
     rest = [n for n in names if n not in consts]
@@ -145,15 +148,19 @@ def load_or_build(
     options: dict,
     key: str,
     directory: Path | None = None,
+    prepare: Callable[[Callable, Path], None] | None = None,
 ) -> tuple[Callable, Path, bool]:
     """(the compiled module, its package, whether it came from disk) for `module(*args)`: the package `key`
     if there is one, else `module` exported, compiled with inductor's `options` and written first; then the
-    least recently used packages past the directory's budget (`prune`) are deleted."""
+    least recently used packages past the directory's budget (`prune`) are deleted. `prepare(runner, path)`
+    runs on the loaded package (`share_tensors`): a package it fails on is damaged too, and built again."""
     directory = directory or AOT_DIR
     path = directory / f"{key}.pt2"
     if path.exists():
         try:
             runner = torch._inductor.aoti_load_package(str(path))
+            if prepare is not None:
+                prepare(runner, path)
         except Exception as e:  # a damaged package (a disk that filled up, a copy cut short): built again
             warnings.warn(
                 f"{path}: not a loadable package ({type(e).__name__}); building it again", stacklevel=2
@@ -183,7 +190,10 @@ def load_or_build(
         tmp.unlink(missing_ok=True)
     prune(directory, keep=path)
     clear_inductor_cache()
-    return torch._inductor.aoti_load_package(str(path)), path, False
+    runner = torch._inductor.aoti_load_package(str(path))
+    if prepare is not None:
+        prepare(runner, path)
+    return runner, path, False
 
 
 def clear_inductor_cache(directory: Path = INDUCTOR_DIR, budget_gib: float | None = None) -> bool:

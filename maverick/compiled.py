@@ -733,9 +733,10 @@ class CompiledTarget:
                 dynamic = (rows, None, rows, square, None, None, blocks)
             else:  # tokens, lengths, k, v, span
                 dynamic = (rows, None, None, None, blocks)
-            built = self._built[(tree, lo, hi, B)] = load_or_build(step, args, dynamic, self.options, key)
-            if self.shared:
-                share_tensors(built[0], step, built[1])
+            share = (lambda runner, path: share_tensors(runner, step, path)) if self.shared else None
+            built = self._built[(tree, lo, hi, B)] = load_or_build(
+                step, args, dynamic, self.options, key, prepare=share
+            )
         runner, path, loaded = built
         if not tree and R in self.rows:
             self.packages[R], self.loaded[R] = path, loaded

@@ -57,7 +57,7 @@ def package_names_only(monkeypatch, module: str) -> list[str]:
     instead of building it: a package's name is checked without the build. The names, in call order."""
     keys = []
 
-    def name_only(step, args, dynamic, options, key, directory=None):
+    def name_only(step, args, dynamic, options, key, directory=None, prepare=None):
         keys.append(key)
         raise KeyError(key)
 
@@ -277,6 +277,55 @@ def test_a_damaged_package_is_built_again(tmp_path, monkeypatch):
     ):
         load_or_build(torch.nn.Linear(4, 4), (torch.ones(1, 4),), None, {}, "k", tmp_path)
     assert len(built) == 1 and not bad.exists()
+
+
+def test_a_package_whose_weights_do_not_load_is_built_again(tmp_path, monkeypatch):
+    """A 4-bit engine's package loads, then reads the constants it does not share from its own weight files
+    (share_tensors): a damaged one raised BadZipFile outside the rebuild, and the package stayed, so every
+    later engine failed alike. Now it is a damaged package: deleted, with a warning, and built again."""
+    import zipfile
+
+    bad = tmp_path / "k.pt2"
+    bad.write_bytes(b"PK\x03\x04 a package whose library loads")
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda path: "runner")
+    built = []
+
+    def build(program, package_path, inductor_configs):
+        built.append(package_path)
+        raise RuntimeError("built")
+
+    def prepare(runner, path):
+        raise zipfile.BadZipFile("Bad CRC-32 for file 'data/weights/weight_3'")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", build)
+    with (
+        pytest.warns(UserWarning, match="k.pt2: not a loadable package"),
+        pytest.raises(RuntimeError, match="built"),
+    ):
+        load_or_build(torch.nn.Linear(4, 4), (torch.ones(1, 4),), None, {}, "k", tmp_path, prepare=prepare)
+    assert len(built) == 1 and not bad.exists()
+
+
+def test_shared_packages_read_a_tied_head_from_the_model():
+    """A package's constant named by the tied head (`lm_head.weight`) was looked up among the parameters by
+    their first names only (the embedding's), missed, and read from the package's own file: a second copy of
+    the embedding in every 4-bit package (57 MB each for SmolLM2)."""
+    from maverick.aot import share_tensors
+
+    m = torch.nn.Module()
+    m.embed, m.lm_head = torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8, bias=False)
+    m.lm_head.weight = m.embed.weight
+
+    class Runner:
+        def get_constant_fqns(self):
+            return ["lm_head.weight", "embed.weight"]
+
+        def load_constants(self, consts, check_full_update, user_managed):
+            self.got = consts
+
+    r = Runner()
+    share_tensors(r, m, Path("/nonexistent.pt2"))  # nothing to read from the package
+    assert r.got["lm_head.weight"].data_ptr() == m.embed.weight.data_ptr()
 
 
 def test_a_package_that_loads_is_kept_when_its_time_cannot_be_touched(tmp_path, monkeypatch):
