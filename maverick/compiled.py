@@ -749,6 +749,12 @@ class CompiledTarget:
         slots = self.span_slots or int(cache.lengths.max()) + R
         return span_carrier(self._spans, slots, self.device, dynamic=self.device.type != "cuda")
 
+    def prefill(self, tokens: Tensor, cache: KVCache, **kw) -> Output:
+        """A prefill (`maverick.generate.prefill`), eager whatever its length: a compiled one for prompts that
+        fit a bucket gave a prompt other bits beside a longer one (eager)."""
+        return self._eager(tokens, cache, kw.get("positions"), kw.get("tree_mask"), kw.get("feature_layers", ()),
+                           kw.get("logits", "all"), kw.get("inputs_embeds"))  # fmt: skip
+
     def _eager(self, tokens, cache, positions, tree_mask, feature_layers, logits, inputs_embeds) -> Output:
         """The eager model, on this engine's cache too (prefill): its bookkeeping slices to the part in use."""
         if cache is None or not getattr(cache, "compiled", False):

@@ -61,7 +61,9 @@ def prefill(model: Llama4, cache: KVCache, prompts: Sequence[Sequence[int]], **k
     for b, p in enumerate(prompts):
         tokens[b, : len(p)] = torch.as_tensor(p, device=model.device)
     cache.reset()
-    out = model(tokens, cache=cache, logits=(lens - 1)[:, None], **kw)
+    # a compiled engine prefills eagerly, so that a prompt's bits do not depend on its batch-mates' lengths
+    forward = getattr(model, "prefill", model)
+    out = forward(tokens, cache=cache, logits=(lens - 1)[:, None], **kw)
     cache.truncate(lens)
     return out.logits[:, 0], out
 

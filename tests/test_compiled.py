@@ -108,11 +108,39 @@ def test_compiled_greedy_tokens_equal_eager(engine):
         )
 
 
-def test_a_decoder_on_the_engine_takes_any_batch_size(engine):
+@pytest.fixture
+def engine_b2(engine):
+    """The module's engine for tests that run batches of 2: its `packages` (the last used per bucket) put
+    back after, for the tests that read its batch-1 packages."""
+    saved = dict(engine.packages), dict(engine.loaded)
+    yield engine
+    engine.packages, engine.loaded = saved
+
+
+def test_a_rows_tokens_do_not_depend_on_its_batch_mates(engine_b2):
+    """A prefill ran compiled when the batch's longest prompt fit the largest bucket, else eager: the same
+    short prompt's cache and logits took other bits beside a long one, and plain decoding on the engine gave
+    a row other tokens alone and in a batch (5 of 20 rows). A prefill now runs eager whatever its length."""
+    from maverick.generate import prefill
+
+    g = torch.Generator().manual_seed(3)
+    short = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (1, 2, 3, 4)]
+    one, two = engine_b2.new_cache(1), engine_b2.new_cache(2)
+    for p in short:  # beside a 20-token prompt (past the largest bucket, 4)
+        alone, beside = prefill(engine_b2, one, [p])[0], prefill(engine_b2, two, [p, PROMPTS[1]])[0]
+        assert torch.equal(alone[0], beside[0]), p
+        assert torch.equal(one.k[:, 0, :, : len(p)], two.k[:, 0, :, : len(p)]), p
+    dec = Decoder(engine_b2, max_len=MAX_LEN)
+    assert [dec.generate([p, PROMPTS[1]], 16).tokens[0] for p in short] == [
+        dec.generate([p], 16).tokens[0] for p in short
+    ]
+
+
+def test_a_decoder_on_the_engine_takes_any_batch_size(engine_b2):
     """A Decoder on the engine asked for its new caches at the cache's slot count (whole blocks: 1024 here),
     which the engine refuses past its max_len (192): a second generate of another batch size raised, and so
     did drop_finished, after the whole generation (its tokens lost)."""
-    dec = Decoder(engine, max_len=MAX_LEN)
+    dec = Decoder(engine_b2, max_len=MAX_LEN)
     alone = [dec.generate([p], 12).tokens[0] for p in PROMPTS]
     assert dec.generate(PROMPTS, 12).tokens == alone  # two rows after one
     stop = alone[0][3]  # row 0 stops at its 4th token, row 1 decodes on alone
