@@ -315,11 +315,11 @@ def kill_training_at(n: int, monkeypatch):
 
 def test_interrupted_training_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     torch.set_num_threads(1)
+    import train.stage as stage
+
     target, data = make_data(tmp_path)
     out = tmp_path / "o"
     revive = kill_training_at(5, monkeypatch)
-    import train.stage as stage
-
     seen, killing = [], stage.dense_step_sums
 
     def watched(*a, **kw):  # stage.json's minutes at each step: saved with each checkpoint (a SIGKILL's run)
