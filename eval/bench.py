@@ -382,7 +382,7 @@ class Runner:
 def bench_max_len(args) -> int:
     """The cache length every decoder of a run gets: two turns of the longest prompt and answer, and room for
     a cycle's drafts (a wide tree's frontiers may need more than 128 slots)."""
-    trees = [TreeConfig(args.tree_depth, args.tree_top_k, args.tree_tokens), *args.tree_candidates]
+    trees = [tree_config(args), *tree_candidates(args)]
     return args.max_prompt_tokens * 2 + args.max_new_tokens * 2 + spare_slots(trees)
 
 

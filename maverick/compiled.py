@@ -752,10 +752,18 @@ class CompiledTarget:
     def prefill(self, tokens: Tensor, cache: KVCache, **kw) -> Output:
         """A prefill (`maverick.generate.prefill`), eager whatever its length: a compiled one for prompts that
         fit a bucket gave a prompt other bits beside a longer one (eager)."""
-        return self._eager(tokens, cache, kw.get("positions"), kw.get("tree_mask"), kw.get("feature_layers", ()),
-                           kw.get("logits", "all"), kw.get("inputs_embeds"))  # fmt: skip
+        return self._eager(tokens, cache, **kw)
 
-    def _eager(self, tokens, cache, positions, tree_mask, feature_layers, logits, inputs_embeds) -> Output:
+    def _eager(
+        self,
+        tokens,
+        cache,
+        positions=None,
+        tree_mask=None,
+        feature_layers=(),
+        logits="all",
+        inputs_embeds=None,
+    ) -> Output:
         """The eager model, on this engine's cache too (prefill): its bookkeeping slices to the part in use."""
         if cache is None or not getattr(cache, "compiled", False):
             return self.base(tokens, cache, positions, tree_mask, feature_layers, logits, inputs_embeds)

@@ -367,19 +367,9 @@ def test_oracle_draft_always_accepted_tree(target):
 
 def exact_marginals(t, prompt, sampling, V):
     """Exact distributions of the 2nd and 3rd generated tokens (the first two that speculative cycles
-    emit; the 1st comes from the prefill): enumerate all V^2 prefixes."""
-    from maverick.sampling import logits_to_probs
-
-    with torch.no_grad():
-        x = torch.tensor([prompt])
-        p1 = logits_to_probs(t(x).logits[0, -1], sampling)  # [V]
-        seqs = torch.cat([x.expand(V, -1), torch.arange(V)[:, None]], 1)
-        p2_given = logits_to_probs(t(seqs).logits[:, -1], sampling)  # [V, V]
-        seqs2 = torch.cat([seqs.repeat_interleave(V, 0), torch.arange(V).repeat(V)[:, None]], 1)
-        p3_given = logits_to_probs(t(seqs2).logits[:, -1], sampling).view(V, V, V)
-    p2 = p1 @ p2_given
-    p3 = torch.einsum("a,ab,abc->c", p1, p2_given, p3_given)
-    return p2, p3
+    emit; the 1st comes from the prefill)."""
+    assert V == t.config.vocab_size
+    return tuple(exact_joint(t, prompt, sampling, 2)[1:3])
 
 
 def empirical(tokens, V):
